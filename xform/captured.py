@@ -1,0 +1,118 @@
+"""One graph Dynamo captured, as the transforms see it: the FX graph, its example inputs, the
+parameters it reads (with the modules that own them) and what it expects of each input.
+
+`CapturedGraph.replace_parameter` is the one way a transform changes what a parameter *is*: it
+puts the new tensor in the owning module (so the model really holds it), in the example inputs
+(so the handoff compiles for it), on the placeholder (so later passes see its dtype and shape) and
+in the guard model (so the compiled code is guarded on it).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import fx, nn
+
+from xform.dynamo_frame import DynamoFrame, ModuleAttribute, module_attribute, placeholder_source, update_placeholder
+from xform.fx_rewrite import fake_like
+from xform.guards import GuardChange, GuardModel, TensorExpectation
+
+
+@dataclass
+class GraphParameter:
+    """A parameter the graph reads as an input, and where it lives in the model."""
+
+    node: fx.Node
+    index: int  # position in the example inputs
+    source: str  # Dynamo's name for it: L['fn']._modules['0']._parameters['weight']
+    fqn: str  # module path + name, as in `model.named_parameters()`: "0.weight"
+    owner: nn.Module | None  # None when it is not a module attribute (a function argument)
+    name: str | None
+    tensor: torch.Tensor
+
+    @property
+    def module_path(self) -> str:
+        return self.fqn.rpartition(".")[0]
+
+
+class CapturedGraph:
+    """A Dynamo graph plus what transforms need to change it consistently."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], frame: DynamoFrame | None) -> None:
+        self.gm = gm
+        self.example_inputs = list(example_inputs)
+        self.frame = frame
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._sources: dict[str, Any] = {}
+        self._locations: dict[str, ModuleAttribute] = {}
+        self.parameters: list[GraphParameter] = []
+        expectations = []
+        for index, (node, value) in enumerate(zip(self.placeholders, self.example_inputs)):
+            source = placeholder_source(node)
+            if source is None or not isinstance(value, torch.Tensor):
+                continue
+            name = source.name
+            self._sources[name] = source
+            location = module_attribute(source)
+            role = "parameter" if isinstance(value, nn.Parameter) else ("buffer" if location else "input")
+            expectations.append(TensorExpectation.of(name, role, value))
+            if role == "parameter":
+                self.parameters.append(self._graph_parameter(node, index, name, location, value))
+        self.guards = GuardModel(expectations)
+
+    def _graph_parameter(
+        self, node: fx.Node, index: int, name: str, location: ModuleAttribute | None, value: torch.Tensor
+    ) -> GraphParameter:
+        owner = None
+        if location is not None and self.frame is not None:
+            self._locations[name] = location
+            owner = self.frame.evaluate(location.owner_source)
+        fqn = ".".join(p for p in (location.module_path, location.name) if p) if location else name
+        return GraphParameter(node, index, name, fqn, owner, location.name if location else None, value)
+
+    @property
+    def code(self) -> types.CodeType | None:
+        return self.frame.code if self.frame is not None else None
+
+    def root_modules(self) -> list[nn.Module]:
+        """The modules the graph's parameters hang from (the compiled model, normally one)."""
+        roots: list[nn.Module] = []
+        for location in self._locations.values():
+            root = self.frame.evaluate(location.root_source) if self.frame else None
+            if isinstance(root, nn.Module) and all(root is not r for r in roots):
+                roots.append(root)
+        return roots
+
+    def parameter_for(self, node: fx.Node) -> GraphParameter | None:
+        return next((p for p in self.parameters if p.node is node), None)
+
+    def replace_parameter(
+        self, param: GraphParameter, new: nn.Parameter, *, by: str, placement: str | None = None
+    ) -> GuardChange:
+        """Make the model hold `new` where `param` was, and make the graph and its guards expect it."""
+        if param.owner is None or param.name is None:
+            raise ValueError(
+                f"xform: transform '{by}' cannot replace {param.source}: it is not a module parameter "
+                f"(passed as an argument?), so there is no module attribute to hold the replacement"
+            )
+        setattr(param.owner, param.name, new)
+        self.example_inputs[param.index] = new
+        update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new))
+        param.tensor = new
+        return self.guards.expect(param.source, new, changed_by=by, placement=placement)
+
+    def install_guards(self) -> list[GuardChange]:
+        """Make Dynamo guard the transformed model; returns the changes installed."""
+        changes = self.guards.changes
+        if changes:
+            if self.frame is None:
+                raise RuntimeError("xform: parameters were replaced outside a Dynamo compile; no guards to rewrite")
+            live = {p.source: p.tensor for p in self.parameters}
+            self.guards.install(self.frame, self._sources, live)
+        return changes
+
+    def node_count(self) -> int:
+        return len(self.gm.graph.nodes)

@@ -1,0 +1,173 @@
+"""The frame Dynamo is compiling when it calls the backend: the one place xform touches
+Dynamo's private APIs (pinned by tests on torch 2.11 and 2.13).
+
+Inside a backend call Dynamo has traced the user's frame but not yet built its guards. From here
+xform can read the frame's locals (to reach the modules that own the graph's parameters), the
+fake-tensor mode, and the guard set under construction, which it edits so that the guards describe
+the transformed model instead of the traced one.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+
+@dataclass
+class DynamoFrame:
+    """Handles onto Dynamo's state for the graph being compiled."""
+
+    tracing_context: Any  # torch._guards.TracingContext
+    output_graph: Any  # torch._dynamo.output_graph.OutputGraph
+
+    @classmethod
+    def current(cls) -> DynamoFrame | None:
+        """The frame under compilation, or None when the backend is called outside Dynamo."""
+        from torch._dynamo import symbolic_convert
+        from torch._guards import TracingContext
+
+        context = TracingContext.try_get()
+        # torch 2.13 deletes the attribute outside tracing, 2.11 leaves None or never sets it
+        tx = getattr(symbolic_convert.tls, "current_tx", None)
+        if context is None or tx is None:
+            return None
+        return cls(tracing_context=context, output_graph=tx.output)
+
+    @property
+    def code(self) -> types.CodeType:
+        """The user code being compiled; for a resume function after a graph break, the original."""
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+
+        code = self.output_graph.root_tx.f_code
+        resumed = ContinueExecutionCache.generated_code_metadata.get(code)
+        return resumed.code if resumed is not None else code
+
+    @property
+    def code_name(self) -> str:
+        """What was traced, as a user reads it: `forward`, or `forward (resumed after a graph break)`."""
+        code = self.output_graph.root_tx.f_code
+        name = self.code.co_qualname
+        return name if code is self.code else f"{name} (resumed after a graph break)"
+
+    def evaluate(self, source: Any) -> Any:
+        """The live value a guard source names (`L['fn']._modules['0']`), read like a guard reads it."""
+        scope = {"L": self.output_graph.local_scope, "G": self.output_graph.global_scope}
+        return eval(source.name, scope)  # noqa: S307 - source names are Dynamo's own expressions
+
+    def rewrite_tensor_guard(self, source: Any, tensor: torch.Tensor) -> list[str]:
+        """Make the guards on `source` expect `tensor` (type, dtype, device, shape, stride, ...).
+
+        Dynamo's TENSOR_MATCH guard captured a weak reference to the traced tensor and reads its
+        size/stride from `input_source_to_sizes_strides`; both are replaced, so the guard checks
+        the tensor the module holds now. Returns the kinds of the guards that were replaced.
+        """
+        from torch._dynamo.guards import GuardBuilder
+        from torch.utils.weak import TensorWeakRef
+
+        guards = self.tracing_context.guards_context.dynamo_guards
+        replaced = [g.create_fn_name() for g in guards if _derived_from(g.originating_source, source)]
+        _remove_guards_on(guards, source)
+        self.output_graph.input_source_to_sizes_strides[source] = {
+            "size": tuple(tensor.size()),
+            "stride": tuple(tensor.stride()),
+        }
+        match = functools.partial(GuardBuilder.TENSOR_MATCH, value=TensorWeakRef(tensor))
+        guards.add(source.make_guard(match), collect_debug_stack=False)
+        return replaced
+
+
+def _derived_from(source: Any, target: Any) -> bool:
+    """Whether `source` is `target` or reads through it (`target.size()`, `target._base`, ...)."""
+    from torch._dynamo.source import ChainedSource
+
+    while source is not None:
+        if source == target:
+            return True
+        source = source.base if isinstance(source, ChainedSource) else None
+    return False
+
+
+def _remove_guards_on(guards: Any, source: Any) -> None:
+    """Drop the guards on `source` and what derives from it. (`GuardsSet.remove_guards_with_source`
+    in torch 2.11 compares only the root of each guard's source, so it never matches a parameter.)"""
+    from torch.utils._ordered_set import OrderedSet
+
+    kept = [g for g in guards if not _derived_from(g.originating_source, source)]
+    if hasattr(guards, "clear"):  # torch >= 2.13 also indexes guards by source; clear() resets both
+        guards.clear()
+    else:
+        guards.inner = OrderedSet()
+    for guard in kept:
+        guards.add(guard, collect_debug_stack=False)
+
+
+def placeholder_source(node: fx.Node) -> Any | None:
+    """The Dynamo source of a placeholder (`L['x']`, `L['self']._modules['fc']._parameters['weight']`)."""
+    grapharg = node.meta.get("grapharg")
+    return getattr(grapharg, "source", None)
+
+
+def update_placeholder(node: fx.Node, real: torch.Tensor, fake: torch.Tensor) -> None:
+    """Point a placeholder's recorded example at a replacement tensor."""
+    node.meta["example_value"] = fake
+    grapharg = node.meta.get("grapharg")
+    if grapharg is not None:
+        grapharg._example = torch.utils.weak.TensorWeakRef(real)
+        grapharg.example_strong_ref = real
+        grapharg.fake_tensor = fake
+
+
+@dataclass(frozen=True)
+class ModuleAttribute:
+    """Where a parameter lives: `owner.<name>`, and the module path from the compiled root."""
+
+    owner_source: Any
+    name: str
+    module_path: str
+    root_source: Any
+
+
+def _unwrapped(source: Any) -> Any:
+    """Strip Dynamo's marker sources (`UnspecializedNNModuleSource(...)` and kin), which name the
+    same value as their base and only record how Dynamo treats it."""
+    from torch._dynamo.source import ChainedSource
+
+    while isinstance(source, ChainedSource) and source.name == source.base.name:
+        source = source.base
+    return source
+
+
+def module_attribute(source: Any) -> ModuleAttribute | None:
+    """Decode `L['fn']._modules['a']._modules['b']._parameters['w']` into owner, name and path `a.b`.
+
+    Returns None for tensors that are not module parameters or buffers (function arguments, globals).
+    """
+    from torch._dynamo.source import AttrSource, DictGetItemSource
+
+    def keyed(src: Any, member: str) -> bool:
+        return (
+            isinstance(src, DictGetItemSource)
+            and isinstance(src.base, AttrSource)
+            and src.base.member == member
+        )
+
+    source = _unwrapped(source)
+    if not (keyed(source, "_parameters") or keyed(source, "_buffers")):
+        return None
+    owner_source = _unwrapped(source.base.base)
+    path: list[str] = []
+    node = owner_source
+    while keyed(node, "_modules"):
+        path.append(str(node.index))
+        node = _unwrapped(node.base.base)
+    return ModuleAttribute(
+        owner_source=owner_source,
+        name=str(source.index),
+        module_path=".".join(reversed(path)),
+        root_source=node,
+    )

@@ -1,0 +1,37 @@
+"""Small edits on a Dynamo FX graph that keep its nodes' example values (`meta["example_value"]`)
+filled in, so later transforms can read the dtype and shape of every node they insert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+def example_value(node: Any) -> Any:
+    """The fake tensor (or constant) a node stands for; constants stand for themselves."""
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
+
+
+def fake_like(traced: FakeTensor, real: torch.Tensor) -> FakeTensor:
+    """A fake of `real` in the fake mode the graph was traced in (that of `traced`)."""
+    return traced.fake_mode.from_tensor(real, static_shapes=True)
+
+
+def insert_call(graph: fx.Graph, op: str, target: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any] | None = None) -> fx.Node:
+    """Create a `call_function`/`call_method` node at the graph's insert point, with its example value
+    computed in the fake mode of its arguments."""
+    kwargs = kwargs or {}
+    node = graph.create_node(op, target, args, kwargs)
+    values, kw_values = tree_map(example_value, (args, kwargs))
+    fakes = [v for v in tree_flatten((values, kw_values))[0] if isinstance(v, FakeTensor)]
+    if not fakes:
+        raise ValueError(f"xform: cannot insert {target} with no traced tensor among its arguments")
+    with fakes[0].fake_mode, torch._C.DisableTorchFunctionSubclass():
+        fn = getattr(values[0], target) if op == "call_method" else target
+        node.meta["example_value"] = fn(*(values[1:] if op == "call_method" else values), **kw_values)
+    return node

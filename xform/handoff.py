@@ -1,0 +1,120 @@
+"""Where a transformed graph goes to be compiled: Inductor (the default), eager, or Thunder.
+
+With no transforms, the Inductor handoff calls `compile_fx` exactly as `backend="inductor"` does,
+so xform adds nothing but its bookkeeping. AOT hooks (`Transform.transform_aot_graph`) are
+attached only when some transform has one, through Inductor's `inner_compile` (or AOTAutograd's
+compilers for the eager handoff), so graphs without them keep every Inductor cache path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from torch import fx
+
+AotHook = Callable[[fx.GraphModule, str], None]
+
+
+def _aot_kind(is_backward: bool, is_inference: bool) -> str:
+    return "backward" if is_backward else ("inference" if is_inference else "forward")
+
+
+class InductorHandoff:
+    """`torch._inductor.compile_fx`, with the config patches of `mode` and `options` applied."""
+
+    name = "inductor"
+    supports_aot_hooks = True
+
+    def __init__(self, options: dict[str, Any] | None = None, mode: str | None = None) -> None:
+        import torch._inductor
+
+        patches: dict[str, Any] = {}
+        if mode not in (None, "default"):
+            try:
+                patches.update(torch._inductor.list_mode_options(mode))
+            except RuntimeError as error:
+                raise ValueError(f"xform: unknown torch.compile mode {mode!r}: {error}") from None
+        if options:
+            known = torch._inductor.list_options()
+            unknown = sorted(set(options) - set(known))
+            if unknown:
+                raise ValueError(
+                    f"xform: unknown Inductor option(s) {unknown} in options['inductor']; "
+                    f"see torch._inductor.list_options() for the accepted names"
+                )
+            patches.update(options)
+        self.config_patches = patches or None
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        if aot_hook is None:
+            return compile_fx(gm, example_inputs, config_patches=self.config_patches)
+
+        def inner_compile(aot_gm: fx.GraphModule, inputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+            aot_hook(aot_gm, _aot_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False)))
+            return compile_fx_inner(aot_gm, inputs, *args, **kwargs)
+
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.config_patches)
+
+
+class EagerHandoff:
+    """Run the transformed graph as PyTorch code (through AOTAutograd only when an AOT hook needs it)."""
+
+    name = "eager"
+    supports_aot_hooks = True
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None) -> Callable[..., Any]:
+        if aot_hook is None:
+            return gm.forward
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def compiler(kind: str) -> Callable[..., Any]:
+            def run(aot_gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+                aot_hook(aot_gm, kind)
+                aot_gm.recompile()
+                return make_boxed_func(aot_gm.forward)
+
+            return run
+
+        backend = aot_autograd(
+            fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference")
+        )
+        return backend(gm, example_inputs)
+
+
+class ThunderHandoff:
+    """Lightning Thunder's Dynamo backend (`thunder.dynamo.ThunderCompiler`), where it imports."""
+
+    name = "thunder"
+    supports_aot_hooks = False
+
+    def __init__(self) -> None:
+        try:
+            from thunder.dynamo import ThunderCompiler
+        except Exception as error:  # thunder fails with AttributeError on torch >= 2.13, not only ImportError
+            raise ValueError(
+                f"xform: handoff='thunder' needs lightning-thunder, which does not import here "
+                f"({type(error).__name__}: {error}). Install the extra `xform[thunder]` (lightning-thunder "
+                f"0.2.6 imports with torch 2.11), or use handoff='inductor'."
+            ) from None
+        self._compiler_class = ThunderCompiler
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None) -> Callable[..., Any]:
+        return self._compiler_class()(gm, list(example_inputs))
+
+
+Handoff = InductorHandoff | EagerHandoff | ThunderHandoff
+
+HANDOFFS = ("inductor", "eager", "thunder")
+
+
+def make_handoff(name: str, inductor_options: dict[str, Any] | None = None, mode: str | None = None) -> Handoff:
+    if name not in HANDOFFS:
+        raise ValueError(f"xform: unknown handoff {name!r}; accepted: {', '.join(map(repr, HANDOFFS))}")
+    if name != "inductor" and (inductor_options or mode not in (None, "default")):
+        raise ValueError(f"xform: Inductor options and mode apply to handoff='inductor' only, not {name!r}")
+    if name == "inductor":
+        return InductorHandoff(inductor_options, mode)
+    return EagerHandoff() if name == "eager" else ThunderHandoff()

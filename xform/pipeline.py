@@ -1,0 +1,123 @@
+"""The ordered list of transforms, checked once, then run hook by hook on each captured graph.
+
+Hooks run in data-flow order (parameters, graph, AOT graphs, guards, the compiled callable), and
+within a hook in the order the user listed the transforms. The guard model is installed into
+Dynamo after the guard hooks, just before the handoff compiles, so the guards Dynamo builds when
+the backend returns describe the transformed model.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from torch import fx
+
+from xform.captured import CapturedGraph
+from xform.handoff import Handoff
+from xform.log import logger
+from xform.registry import resolve
+from xform.report import GraphRecord, TransformRecord
+from xform.transform import Transform
+
+
+def check_order(transforms: Sequence[Transform]) -> None:
+    """Refuse duplicates and orders that break a transform's `must_follow` / `must_precede`."""
+    names = [t.name or type(t).__name__ for t in transforms]
+    for name in set(names):
+        if names.count(name) > 1:
+            raise ValueError(f"xform: transform '{name}' is listed {names.count(name)} times; list it once")
+    position = {name: i for i, name in enumerate(names)}
+    for t, name in zip(transforms, names):
+        for earlier, why in t.must_follow.items():
+            if earlier in position and position[earlier] > position[name]:
+                raise ValueError(
+                    f"xform: transform '{name}' must come after '{earlier}' ({why}); "
+                    f"reorder the list, e.g. {_reordered(names, earlier, name)}"
+                )
+        for later, why in t.must_precede.items():
+            if later in position and position[later] < position[name]:
+                raise ValueError(
+                    f"xform: transform '{name}' must come before '{later}' ({why}); "
+                    f"reorder the list, e.g. {_reordered(names, name, later)}"
+                )
+
+
+def _reordered(names: list[str], first: str, second: str) -> list[str]:
+    rest = [n for n in names if n not in (first, second)]
+    return [first, second, *rest]
+
+
+class Pipeline:
+    """Transforms (objects or spec strings), resolved and order-checked at construction."""
+
+    def __init__(self, transforms: Iterable[Transform | str], handoff: Handoff) -> None:
+        self.transforms = [resolve(t) for t in transforms]
+        check_order(self.transforms)
+        self.handoff = handoff
+        needs_aot = [t.name for t in self.transforms if t.overrides("transform_aot_graph")]
+        if needs_aot and not handoff.supports_aot_hooks:
+            raise ValueError(
+                f"xform: transform(s) {needs_aot} rewrite AOTAutograd graphs, which handoff={handoff.name!r} "
+                f"does not produce; use handoff='inductor' or 'eager'"
+            )
+
+    def _with(self, hook: str) -> list[Transform]:
+        return [t for t in self.transforms if t.overrides(hook)]
+
+    def run(self, graph: CapturedGraph, record: GraphRecord) -> Callable[..., Any]:
+        """Transform one captured graph, install its guards, compile it and wrap the result."""
+        records = {t.name: TransformRecord(t.name) for t in self.transforms}
+        record.transforms = list(records.values())
+        for t in self._with("transform_parameters"):
+            with _timed(t, records[t.name], "transform_parameters"):
+                t.transform_parameters(graph, records[t.name])
+        for t in self._with("transform_graph"):
+            with _timed(t, records[t.name], "transform_graph"):
+                t.transform_graph(graph, records[t.name])
+                graph.gm.graph.lint()
+                graph.gm.recompile()
+        for t in self._with("transform_guards"):
+            with _timed(t, records[t.name], "transform_guards"):
+                t.transform_guards(graph.guards, records[t.name])
+        record.guard_changes = graph.install_guards()
+        record.nodes_after = graph.node_count()
+        logger.debug("graph %s after transforms:\n%s", record.graph, graph.gm.code)
+
+        start = time.perf_counter()
+        compiled = self.handoff.compile(graph.gm, graph.example_inputs, self._aot_hook(records))
+        record.handoff_seconds = time.perf_counter() - start
+
+        for t in self._with("wrap_compiled"):
+            with _timed(t, records[t.name], "wrap_compiled"):
+                compiled = t.wrap_compiled(compiled, graph, records[t.name])
+        return compiled
+
+    def _aot_hook(self, records: dict[str, TransformRecord]) -> Callable[[fx.GraphModule, str], None] | None:
+        users = self._with("transform_aot_graph")
+        if not users:
+            return None
+
+        def hook(gm: fx.GraphModule, kind: str) -> None:
+            for t in users:
+                with _timed(t, records[t.name], "transform_aot_graph"):
+                    t.transform_aot_graph(gm, kind, records[t.name])
+                    gm.graph.lint()
+                    gm.recompile()
+
+        return hook
+
+
+@contextmanager
+def _timed(transform: Transform, record: TransformRecord, hook: str) -> Iterator[None]:
+    """Time a hook into its record, and give any failure the transform's name and hook."""
+    start = time.perf_counter()
+    try:
+        yield
+    except (ValueError, NotImplementedError):
+        raise
+    except Exception as error:
+        raise RuntimeError(f"xform: transform '{transform.name}' failed in {hook}: {type(error).__name__}: {error}") from error
+    finally:
+        record.seconds += time.perf_counter() - start

@@ -1,0 +1,178 @@
+"""What xform did to each compiled graph, and what it left alone and why.
+
+Every graph Dynamo hands to xform gets a `GraphRecord`: the transforms that ran on it, each with
+its changes (layers, parameters, nodes, regions) and its skips (with the reason), the guard
+changes, the handoff and the time spent. `xform.report(compiled)` gathers the records of one
+compiled model or function into a `Report`: `str()` is a table for people, `.to_dict()` is JSON.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from xform.guards import GuardChange
+from xform.log import logger
+
+
+@dataclass(frozen=True)
+class Change:
+    """One thing a transform changed: `kind` is what (layer, parameter, node, region), `target` which one."""
+
+    kind: str
+    target: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One thing a transform could have changed but did not, and why, in words a user can act on."""
+
+    target: str
+    reason: str
+
+
+@dataclass
+class TransformRecord:
+    """What one transform did to one graph."""
+
+    transform: str
+    changes: list[Change] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def changed(self, kind: str, target: str, detail: str = "") -> None:
+        self.changes.append(Change(kind, target, detail))
+        logger.debug("%s changed %s %s %s", self.transform, kind, target, detail)
+
+    def skipped(self, target: str, reason: str) -> None:
+        self.skips.append(Skip(target, reason))
+        logger.info("%s skipped %s: %s", self.transform, target, reason)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        logger.info("%s: %s", self.transform, text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "transform": self.transform,
+            "changes": [vars(c) for c in self.changes],
+            "skips": [vars(s) for s in self.skips],
+            "notes": list(self.notes),
+            "seconds": round(self.seconds, 6),
+        }
+
+
+@dataclass
+class GraphRecord:
+    """Everything xform did to one graph Dynamo captured."""
+
+    graph: str  # Dynamo's compile id, e.g. "0/0" (frame 0, first compile)
+    code: str  # the user function whose frame was traced
+    handoff: str
+    nodes_before: int
+    nodes_after: int = 0
+    transforms: list[TransformRecord] = field(default_factory=list)
+    guard_changes: list[GuardChange] = field(default_factory=list)
+    handoff_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph": self.graph,
+            "code": self.code,
+            "handoff": self.handoff,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "transforms": [t.to_dict() for t in self.transforms],
+            "guard_changes": [g.to_dict() for g in self.guard_changes],
+            "handoff_seconds": round(self.handoff_seconds, 6),
+        }
+
+
+@dataclass
+class Report:
+    """The records of every graph xform compiled for one model or function."""
+
+    graphs: list[GraphRecord]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graphs": [g.to_dict() for g in self.graphs]}
+
+    def changes(self, transform: str) -> list[Change]:
+        return [c for g in self.graphs for t in g.transforms if t.transform == transform for c in t.changes]
+
+    def skips(self, transform: str) -> list[Skip]:
+        return [s for g in self.graphs for t in g.transforms if t.transform == transform for s in t.skips]
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "xform report: no graph compiled yet (call the compiled model once)"
+        lines = [f"xform report: {len(self.graphs)} graph(s)"]
+        for g in self.graphs:
+            lines.append("")
+            lines.append(
+                f"graph {g.graph} ({g.code}): {g.nodes_before} -> {g.nodes_after} nodes, "
+                f"handoff {g.handoff} {g.handoff_seconds * 1e3:.0f} ms"
+            )
+            if not g.transforms:
+                lines.append("  no transforms")
+            rows = [("transform", "what", "target", "detail")]
+            for t in g.transforms:
+                rows.append((t.transform, f"{len(t.changes)} changed, {len(t.skips)} skipped",
+                             "", f"{t.seconds * 1e3:.1f} ms"))
+                rows += [("", c.kind, c.target, c.detail) for c in t.changes]
+                rows += [("", "skipped", s.target, s.reason) for s in t.skips]
+                rows += [("", "note", "", n) for n in t.notes]
+            if len(rows) > 1:
+                lines += _table(rows)
+            for change in g.guard_changes:
+                lines.append(f"  guard {change.describe()}")
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+class _Registry:
+    """Graph records by what was compiled: a module (weakly held) or a function's code object."""
+
+    def __init__(self) -> None:
+        self._by_module: weakref.WeakKeyDictionary[nn.Module, list[GraphRecord]] = weakref.WeakKeyDictionary()
+        self._by_code: dict[types.CodeType, list[GraphRecord]] = {}
+
+    def add(self, root: nn.Module | types.CodeType, record: GraphRecord) -> None:
+        table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
+        table.setdefault(root, []).append(record)
+
+    def get(self, root: nn.Module | types.CodeType) -> list[GraphRecord]:
+        table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
+        return list(table.get(root, []))
+
+
+records = _Registry()
+
+
+def report(compiled: Callable[..., Any] | nn.Module) -> Report:
+    """The report of a model or function compiled with xform (`torch.compile(..., backend="xform")`,
+    `torch.compile(..., backend=xform.Backend(...))` or `xform.compile(...)`).
+
+    Accepts the compiled object or the original module/function. Graphs appear after the first
+    call, since Dynamo compiles lazily.
+    """
+    target: Any = getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
+    if isinstance(target, nn.Module):
+        return Report(records.get(target))
+    code = getattr(target, "__code__", None)
+    if code is None:
+        raise TypeError(
+            f"xform.report expects a compiled model or function, or the module/function given to "
+            f"torch.compile; got {type(compiled).__name__}"
+        )
+    return Report(records.get(code))

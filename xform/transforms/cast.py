@@ -1,0 +1,177 @@
+"""`Cast`: selected Linear layers hold their weight and bias in bf16 (or fp16) and compute in it.
+
+What it changes, per graph:
+- the model: each selected `nn.Linear` gets its `weight`/`bias` replaced by a `LowPrecisionWeight`
+  parameter of the new dtype (half the bytes of fp32); the module really holds it afterwards, so
+  an optimizer created after the first call steps the new parameters;
+- the graph: `linear(x, w, b)` becomes `linear(x.to(bf16), w, b).to(x.dtype)`;
+- the guards: each replaced parameter is guarded as what it now is (type, dtype), so assigning a
+  new fp32 weight later recompiles (and the new weight is cast again) instead of running code
+  built for bf16.
+
+`LowPrecisionWeight` gives eager PyTorch the same meaning as the rewritten graph (a Linear computes
+in its weight's dtype and returns its input's dtype), which is what makes a later recompile
+(new input shape, graph break) trace the already-cast model correctly.
+
+What it refuses, with the reason in the report: parameters read by anything other than a linear
+call (a tied embedding, a hand-written matmul), since those ops would silently see bf16 values;
+non-floating parameters; layers already in the target dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from xform.captured import CapturedGraph, GraphParameter
+from xform.fx_rewrite import example_value, insert_call
+from xform.registry import register_transform
+from xform.report import TransformRecord
+from xform.selection import LayerFilter, layer_selector
+from xform.transform import Transform
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+# Operations whose result must stay a LowPrecisionWeight, so that nn.Parameter(...) and .clone()
+# give one back. The result is rewrapped with _make_subclass, which (unlike the default rewrapping,
+# a view) gives a tensor that is not a view: Dynamo would otherwise guard its `_base` too.
+_KEEPS_TYPE = {torch.Tensor.detach, torch.Tensor.clone}
+
+
+class LowPrecisionWeight(torch.Tensor):
+    """A Linear parameter stored, and computed with, in a lower precision than the activations."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return _linear_in_weight_dtype(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func in _KEEPS_TYPE:
+            return torch.Tensor._make_subclass(cls, out, out.requires_grad)
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LowPrecisionWeight:
+        if id(self) not in memo:
+            with torch._C.DisableTorchFunctionSubclass():
+                data = self.detach().clone()
+            copy = torch.Tensor._make_subclass(type(self), data, self.requires_grad)
+            memo[id(self)] = nn.Parameter(copy, self.requires_grad) if isinstance(self, nn.Parameter) else copy
+        return memo[id(self)]
+
+
+def _linear_in_weight_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        dtype = weight.dtype
+        x = input if input.dtype == dtype else input.to(dtype)
+        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+        out = F.linear(x, weight, b)
+        return out if out.dtype == input.dtype else out.to(input.dtype)
+
+
+def low_precision_parameter(param: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    data = param.detach().to(dtype).as_subclass(LowPrecisionWeight)
+    return nn.Parameter(data, requires_grad=param.requires_grad)
+
+
+def _linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias) of a `linear` call node, wherever the caller put them."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return (args[0] if args[0] is not None else node.kwargs.get("input"),
+            args[1] if args[1] is not None else node.kwargs.get("weight"),
+            args[2] if args[2] is not None else node.kwargs.get("bias"))
+
+
+def _is_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is F.linear
+
+
+@register_transform
+class Cast(Transform):
+    """Linear weights and biases held and computed in bf16/fp16 (`cast:bf16`)."""
+
+    name = "cast"
+
+    def __init__(self, dtype: torch.dtype | str = torch.bfloat16, *, filter: LayerFilter = None) -> None:
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"xform: transform 'cast': unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+            dtype = DTYPES[dtype]
+        if dtype not in DTYPES.values():
+            raise ValueError(
+                f"xform: transform 'cast': dtype must be torch.bfloat16 or torch.float16, got {dtype!r}"
+            )
+        self.dtype = dtype
+        self.filter = filter
+        self._selects = layer_selector(filter, self.name)
+
+    @classmethod
+    def from_spec(cls, argument: str | None) -> Cast:
+        return cls(argument or "bf16")
+
+    def transform_parameters(self, graph: CapturedGraph, record: TransformRecord) -> None:
+        layers: dict[str, list[GraphParameter]] = {}
+        for param in graph.parameters:
+            if isinstance(param.owner, nn.Linear) and param.name in ("weight", "bias"):
+                layers.setdefault(param.module_path, []).append(param)
+        for path, params in layers.items():
+            if not self._selects(path, params[0].owner):
+                continue
+            reason = self._refusal(params)
+            if reason is not None:
+                record.skipped(path, reason)
+                continue
+            if all(isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype == self.dtype for p in params):
+                record.note(f"{path} was cast by an earlier compile of this model")
+                continue
+            saved = 0
+            for param in params:
+                before = param.tensor
+                graph.replace_parameter(param, low_precision_parameter(before, self.dtype), by=self.name)
+                saved += before.nbytes - param.tensor.nbytes
+            record.changed("layer", path, f"{_dtype_name(before.dtype)} -> {_dtype_name(self.dtype)}, "
+                                          f"{saved} bytes saved")
+
+    def _refusal(self, params: list[GraphParameter]) -> str | None:
+        for param in params:
+            if not param.tensor.is_floating_point():
+                return f"its {param.name} is {param.tensor.dtype}, not floating point"
+            if param.tensor.dtype == self.dtype and not isinstance(param.tensor, LowPrecisionWeight):
+                return f"its {param.name} is already {_dtype_name(self.dtype)}"
+            slot = 1 if param.name == "weight" else 2
+            for user in param.node.users:
+                if not (_is_linear(user) and _linear_operands(user)[slot] is param.node):
+                    return (f"its {param.name} is also read by node '{user.name}' ({_op_name(user)}); casting it "
+                            f"would change what that op computes. Exclude the layer with filter= or untie it")
+        return None
+
+    def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
+        for node in list(graph.gm.graph.nodes):
+            if not _is_linear(node):
+                continue
+            x, weight, bias = _linear_operands(node)
+            param = graph.parameter_for(weight) if isinstance(weight, fx.Node) else None
+            x_value = example_value(x)
+            if param is None or not isinstance(param.tensor, LowPrecisionWeight) or x_value.dtype == param.tensor.dtype:
+                continue
+            g = graph.gm.graph
+            with g.inserting_before(node):
+                cast_x = insert_call(g, "call_method", "to", (x, param.tensor.dtype))
+                linear = insert_call(g, "call_function", F.linear, (cast_x, weight, bias))
+                back = insert_call(g, "call_method", "to", (linear, x_value.dtype))
+            node.replace_all_uses_with(back)
+            g.erase_node(node)
+            record.changed("node", node.name, f"linear computed in {_dtype_name(param.tensor.dtype)}, "
+                                              f"output cast back to {_dtype_name(x_value.dtype)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _op_name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
