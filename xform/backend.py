@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import types
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -106,12 +107,13 @@ def _traced_name(graph: CapturedGraph) -> str:
     if graph.frame is None:
         return "fx graph"
     roots = graph.root_modules()
-    name = graph.frame.code_name
-    if not roots:
-        return name
-    if graph.frame.code.co_filename.startswith(os.path.dirname(torch.__file__)):
+    if roots and _is_torch_code(graph.frame.code):  # the frame torch.compile(module) traces first
         return type(roots[0]).__name__
-    return f"{type(roots[0]).__name__} {name}"
+    return graph.frame.code_name
+
+
+def _is_torch_code(code: types.CodeType) -> bool:
+    return code.co_filename.startswith(os.path.dirname(torch.__file__))
 
 
 def _register(record: GraphRecord, graph: CapturedGraph) -> None:
@@ -119,7 +121,7 @@ def _register(record: GraphRecord, graph: CapturedGraph) -> None:
     for root in graph.root_modules():
         records.add(root, record)
     code = graph.code
-    if code is not None and not code.co_filename.startswith(os.path.dirname(torch.__file__)):
+    if code is not None and not _is_torch_code(code):
         records.add(code, record)
 
 

@@ -10,6 +10,7 @@ the transformed model instead of the traced one.
 from __future__ import annotations
 
 import functools
+import re
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +121,18 @@ def update_placeholder(node: fx.Node, real: torch.Tensor, fake: torch.Tensor) ->
         grapharg._example = torch.utils.weak.TensorWeakRef(real)
         grapharg.example_strong_ref = real
         grapharg.fake_tensor = fake
+
+
+def calling_module_path(node: fx.Node) -> str | None:
+    """The path of the innermost module whose forward made this call (`layers.0.attn.q`), from
+    Dynamo's `nn_module_stack` record; None for calls made outside any submodule."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, _type = list(stack.values())[-1]
+    path = re.sub(r"^[LG]\['[^']+'\]", "", path)
+    path = re.sub(r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]", lambda m: "." + next(g for g in m.groups() if g), path)
+    return path.lstrip(".")
 
 
 @dataclass(frozen=True)

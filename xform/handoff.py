@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import fx
 
 AotHook = Callable[[fx.GraphModule, str], None]
@@ -55,7 +56,10 @@ class InductorHandoff:
             aot_hook(aot_gm, _aot_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False)))
             return compile_fx_inner(aot_gm, inputs, *args, **kwargs)
 
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.config_patches)
+        # An AOTAutograd cache hit would skip inner_compile, and with it the hook; Inductor's own
+        # FX graph cache stays on, since it keys on the graph the hook already rewrote.
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.config_patches)
 
 
 class EagerHandoff:

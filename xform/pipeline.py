@@ -1,9 +1,9 @@
 """The ordered list of transforms, checked once, then run hook by hook on each captured graph.
 
-Hooks run in data-flow order (parameters, graph, AOT graphs, guards, the compiled callable), and
-within a hook in the order the user listed the transforms. The guard model is installed into
-Dynamo after the guard hooks, just before the handoff compiles, so the guards Dynamo builds when
-the backend returns describe the transformed model.
+Hooks run in data-flow order (parameters, graph, AOT graphs during the handoff's compile, guards,
+the compiled callable), and within a hook in the order the user listed the transforms. The guard
+model is installed into Dynamo after the guard hooks, before the backend returns: Dynamo builds
+the frame's guards only then, so they describe the transformed model.
 """
 
 from __future__ import annotations
@@ -78,16 +78,25 @@ class Pipeline:
                 t.transform_graph(graph, records[t.name])
                 graph.gm.graph.lint()
                 graph.gm.recompile()
-        for t in self._with("transform_guards"):
-            with _timed(t, records[t.name], "transform_guards"):
-                t.transform_guards(graph.guards, records[t.name])
-        record.guard_changes = graph.install_guards()
         record.nodes_after = graph.node_count()
         logger.debug("graph %s after transforms:\n%s", record.graph, graph.gm.code)
 
         start = time.perf_counter()
-        compiled = self.handoff.compile(graph.gm, graph.example_inputs, self._aot_hook(records))
+        try:
+            compiled = self.handoff.compile(graph.gm, graph.example_inputs, self._aot_hook(records))
+        except Exception as error:
+            raise RuntimeError(
+                f"xform: handoff {self.handoff.name!r} failed to compile graph {record.graph} after transforms "
+                f"{[t.name for t in self.transforms]}: {type(error).__name__}: {error}\n"
+                f"To tell a transform's bad graph from a handoff bug, compile with handoff='eager' "
+                f"(XFORM_LOG=debug prints the transformed graph)."
+            ) from error
         record.handoff_seconds = time.perf_counter() - start
+
+        for t in self._with("transform_guards"):
+            with _timed(t, records[t.name], "transform_guards"):
+                t.transform_guards(graph.guards, records[t.name])
+        record.guard_changes = graph.install_guards()
 
         for t in self._with("wrap_compiled"):
             with _timed(t, records[t.name], "wrap_compiled"):

@@ -42,9 +42,9 @@ def available_transforms() -> dict[str, str]:
     """Every accepted name, with what it is: the first docstring line, or when it is planned."""
     import xform.transforms  # noqa: F401  (registers the built-in transforms)
 
-    names = {n: (c.__doc__ or "").strip().splitlines()[0] for n, c in sorted(_REGISTERED.items())}
-    names.update({n: f"not available yet: {why}" for n, why in PLANNED.items() if n not in names})
-    return names
+    names = {n: f"not available yet: {why}" for n, why in PLANNED.items()}
+    names.update({n: next(iter((c.__doc__ or "").strip().splitlines()), c.__name__) for n, c in _REGISTERED.items()})
+    return dict(sorted(names.items()))
 
 
 def _accepted() -> str:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from xform.captured import CapturedGraph, GraphParameter
+from xform.dynamo_frame import calling_module_path
 from xform.fx_rewrite import example_value, insert_call
 from xform.registry import register_transform
 from xform.report import TransformRecord
@@ -90,6 +91,19 @@ def _is_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.linear
 
 
+def _non_linear_reader(node: fx.Node, slot: int) -> fx.Node | None:
+    """The first node reading `node` other than as operand `slot` of a linear call, looking through
+    dtype casts (a recompile traces `LowPrecisionWeight`'s own casts); None if there is none."""
+    for user in node.users:
+        if user.op == "call_method" and user.target == "to":
+            found = _non_linear_reader(user, slot)
+            if found is not None:
+                return found
+        elif not (_is_linear(user) and _linear_operands(user)[slot] is node):
+            return user
+    return None
+
+
 @register_transform
 class Cast(Transform):
     """Linear weights and biases held and computed in bf16/fp16 (`cast:bf16`)."""
@@ -119,22 +133,38 @@ class Cast(Transform):
             if isinstance(param.owner, nn.Linear) and param.name in ("weight", "bias"):
                 layers.setdefault(param.module_path, []).append(param)
         for path, params in layers.items():
-            if not self._selects(path, params[0].owner):
+            if self._selects(path, params[0].owner):
+                self._cast_layer(graph, path, params, record)
+        self._report_borrowed_weights(graph, record)
+
+    def _cast_layer(self, graph: CapturedGraph, path: str, params: list[GraphParameter], record: TransformRecord) -> None:
+        reason = self._refusal(params)
+        if reason is not None:
+            record.skipped(path, reason)
+            return
+        if all(isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype == self.dtype for p in params):
+            record.note(f"{path} was cast by an earlier compile of this model")
+            return
+        saved = 0
+        for param in params:
+            before = param.tensor
+            graph.replace_parameter(param, low_precision_parameter(before, self.dtype), by=self.name)
+            saved += before.nbytes - param.tensor.nbytes
+        record.changed("layer", path, f"{_dtype_name(before.dtype)} -> {_dtype_name(self.dtype)}, {saved} bytes saved")
+
+    def _report_borrowed_weights(self, graph: CapturedGraph, record: TransformRecord) -> None:
+        """Linear layers whose weight belongs to another module (tied weights) are left alone: say so."""
+        roots = graph.root_modules()
+        for node in graph.gm.graph.nodes:
+            param = graph.parameter_for(_linear_operands(node)[1]) if _is_linear(node) else None
+            if param is None or isinstance(param.owner, nn.Linear):
                 continue
-            reason = self._refusal(params)
-            if reason is not None:
-                record.skipped(path, reason)
-                continue
-            if all(isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype == self.dtype for p in params):
-                record.note(f"{path} was cast by an earlier compile of this model")
-                continue
-            saved = 0
-            for param in params:
-                before = param.tensor
-                graph.replace_parameter(param, low_precision_parameter(before, self.dtype), by=self.name)
-                saved += before.nbytes - param.tensor.nbytes
-            record.changed("layer", path, f"{_dtype_name(before.dtype)} -> {_dtype_name(self.dtype)}, "
-                                          f"{saved} bytes saved")
+            path = calling_module_path(node) or node.name
+            layer = roots[0].get_submodule(path) if roots and path != node.name else None
+            if self._selects(path, layer):
+                record.skipped(path, f"its weight is {param.fqn}, shared with {param.module_path} "
+                                     f"({type(param.owner).__name__}, tied weights); casting it would change that "
+                                     f"module too. Untie the weights to cast it")
 
     def _refusal(self, params: list[GraphParameter]) -> str | None:
         for param in params:
@@ -142,11 +172,10 @@ class Cast(Transform):
                 return f"its {param.name} is {param.tensor.dtype}, not floating point"
             if param.tensor.dtype == self.dtype and not isinstance(param.tensor, LowPrecisionWeight):
                 return f"its {param.name} is already {_dtype_name(self.dtype)}"
-            slot = 1 if param.name == "weight" else 2
-            for user in param.node.users:
-                if not (_is_linear(user) and _linear_operands(user)[slot] is param.node):
-                    return (f"its {param.name} is also read by node '{user.name}' ({_op_name(user)}); casting it "
-                            f"would change what that op computes. Exclude the layer with filter= or untie it")
+            other = _non_linear_reader(param.node, slot=1 if param.name == "weight" else 2)
+            if other is not None:
+                return (f"its {param.name} is also read by node '{other.name}' ({_op_name(other)}); casting it "
+                        f"would change what that op computes. Exclude the layer with filter= or untie it")
         return None
 
     def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
@@ -159,8 +188,11 @@ class Cast(Transform):
             if param is None or not isinstance(param.tensor, LowPrecisionWeight) or x_value.dtype == param.tensor.dtype:
                 continue
             g = graph.gm.graph
+            dtype = param.tensor.dtype
             with g.inserting_before(node):
-                cast_x = insert_call(g, "call_method", "to", (x, param.tensor.dtype))
+                cast_x = insert_call(g, "call_method", "to", (x, dtype))
+                if bias is not None and example_value(bias).dtype != dtype:
+                    bias = insert_call(g, "call_method", "to", (bias, dtype))
                 linear = insert_call(g, "call_function", F.linear, (cast_x, weight, bias))
                 back = insert_call(g, "call_method", "to", (linear, x_value.dtype))
             node.replace_all_uses_with(back)

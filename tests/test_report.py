@@ -1,0 +1,111 @@
+"""xform.report: per graph, each transform's changes, skips and time; readable and JSON-able."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import xform
+from models import GraphBreakMLP, TiedLM, mlp
+
+
+def test_report_lists_changes_guard_changes_and_timing():
+    model = mlp()
+    compiled = xform.compile(model, "cast:bf16", handoff="eager")
+    compiled(torch.randn(2, 16))
+
+    report = xform.report(compiled)
+    graph = report.graphs[0]
+    cast = graph.transforms[0]
+
+    assert graph.graph == "0/0" and graph.code == "Sequential" and graph.handoff == "eager"
+    assert graph.nodes_after > graph.nodes_before
+    assert [(c.kind, c.target) for c in cast.changes if c.kind == "layer"] == [("layer", "0"), ("layer", "2")]
+    assert cast.changes[0].detail == "float32 -> bfloat16, 1088 bytes saved"
+    assert sum(c.kind == "node" for c in cast.changes) == 2
+    assert cast.seconds > 0 and len(graph.guard_changes) == 4
+    assert report.changes("cast") == cast.changes
+
+
+def test_report_str_is_a_table():
+    model = mlp()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+
+    text = str(xform.report(model))
+
+    assert text.startswith("xform report: 1 graph(s)")
+    assert "graph 0/0 (Sequential):" in text and "handoff eager" in text
+    assert "cast       " in text and "layer" in text and "float32 -> bfloat16" in text
+    assert "guard L['fn']._modules['0']._parameters['weight']: float32[32, 16] Parameter -> bfloat16[32, 16]" in text
+
+
+def test_report_to_dict_is_json():
+    model = TiedLM()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randint(0, 50, (2, 5)))
+
+    data = json.loads(json.dumps(xform.report(model).to_dict()))
+
+    cast = data["graphs"][0]["transforms"][0]
+    assert cast["transform"] == "cast"
+    assert cast["changes"][0]["target"] == "body"
+    assert data["graphs"][0]["guard_changes"][0]["after"]["dtype"] == "torch.bfloat16"
+
+
+def test_skips_say_why():
+    model = TiedLM()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randint(0, 50, (2, 5)))
+
+    (skip,) = xform.report(model).skips("cast")
+
+    assert skip.target == "head"
+    assert skip.reason == ("its weight is embed.weight, shared with embed (Embedding, tied weights); casting it "
+                           "would change that module too. Untie the weights to cast it")
+    assert model.head.weight.dtype == torch.float32 and model.body.weight.dtype == torch.bfloat16
+
+
+def test_graph_breaks_give_one_record_per_graph():
+    model = GraphBreakMLP()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+
+    graphs = xform.report(model).graphs
+
+    assert len(graphs) == 2
+    assert [c.target for g in graphs for c in g.transforms[0].changes if c.kind == "layer"] == ["first", "second"]
+    assert graphs[1].code == "GraphBreakMLP.forward (resumed after a graph break)"
+
+
+def test_report_of_a_compiled_function():
+    layer = nn.Linear(16, 16)
+
+    def step(x):
+        return torch.relu(layer(x))
+
+    compiled = xform.compile(step, "cast:bf16", handoff="eager")
+    compiled(torch.randn(2, 16))
+
+    for handle in (compiled, step):
+        graphs = xform.report(handle).graphs
+        assert len(graphs) == 1 and graphs[0].code == "test_report_of_a_compiled_function.<locals>.step"
+    assert xform.report(layer).graphs == graphs  # the module its parameters hang from
+    assert layer.weight.dtype == torch.bfloat16
+
+
+def test_report_before_the_first_call():
+    compiled = xform.compile(mlp(), "cast:bf16")
+    assert str(xform.report(compiled)) == "xform report: no graph compiled yet (call the compiled model once)"
+
+
+def test_report_of_something_not_compiled():
+    with pytest.raises(TypeError, match="xform.report expects a compiled model or function, or the module/function "
+                                        "given to torch.compile; got int"):
+        xform.report(3)
+
+
+def test_records_of_two_models_stay_apart():
+    first, second = mlp(), mlp()
+    xform.compile(first, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    xform.compile(second, handoff="eager")(torch.randn(2, 16))
+    assert xform.report(first).changes("cast") and not xform.report(second).changes("cast")
