@@ -247,3 +247,19 @@ def test_dynamo_graph_is_valid_after_cast():
 
     code = captured[0].code
     assert code.count("torch.bfloat16") == 2 and code.count("torch.float32") == 2
+
+
+def test_parameters_that_are_not_graph_inputs_are_reported():
+    from xform.report import GraphRecord
+
+    model = mlp()
+    gm = fx.symbolic_trace(model)  # traced outside Dynamo: weights are get_attr nodes, not inputs
+    backend = xform.Backend(["cast:bf16"], handoff="eager")
+    graph = xform.CapturedGraph(gm, [torch.randn(2, 16)], frame=None)
+    record = GraphRecord(graph="fx", code="fx", handoff="eager", nodes_before=graph.node_count())
+    backend.pipeline.run(graph, record)
+
+    (skip,) = record.transforms[0].skips
+    assert skip.target == "4 parameters"
+    assert skip.reason.startswith("the graph reads them as attributes of the graph module, not as inputs")
+    assert model[0].weight.dtype == torch.float32

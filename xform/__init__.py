@@ -7,6 +7,7 @@ transforms, then hands the result to Inductor.
     print(xform.report(compiled))
 """
 
+from xform import transforms
 from xform.backend import Backend, compile
 from xform.captured import CapturedGraph, GraphParameter
 from xform.guards import GuardChange, GuardModel, TensorExpectation
@@ -31,4 +32,5 @@ __all__ = [
     "compile",
     "register_transform",
     "report",
+    "transforms",
 ]

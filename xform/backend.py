@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import types
 from typing import Any, Callable, Iterable, Sequence
 
@@ -81,6 +82,7 @@ class Backend:
                 f"xform: torch.compile passed {sorted(kwargs)} to an xform.Backend object; give "
                 f"options to xform.Backend(...) itself, or use backend='xform' with options=..."
             )
+        start = time.perf_counter()
         frame = DynamoFrame.current()
         graph = CapturedGraph(gm, example_inputs, frame)
         record = GraphRecord(
@@ -92,7 +94,9 @@ class Backend:
         _register(record, graph)
         logger.info("graph %s (%s): %d nodes, transforms %s", record.graph, record.code,
                     record.nodes_before, [t.name for t in self.transforms])
-        return self.pipeline.run(graph, record)
+        compiled = self.pipeline.run(graph, record)
+        record.xform_seconds = time.perf_counter() - start - record.handoff_seconds
+        return compiled
 
 
 def _compile_id() -> str:

@@ -86,6 +86,10 @@ class CapturedGraph:
                 roots.append(root)
         return roots
 
+    def parameters_held_by_graph_module(self) -> list[str]:
+        """Parameters the graph module owns (read with get_attr/call_module) instead of taking as inputs."""
+        return [name for name, _ in self.gm.named_parameters()]
+
     def parameter_for(self, node: fx.Node) -> GraphParameter | None:
         return next((p for p in self.parameters if p.node is node), None)
 

@@ -52,7 +52,7 @@ class DynamoFrame:
     def code_name(self) -> str:
         """What was traced, as a user reads it: `forward`, or `forward (resumed after a graph break)`."""
         code = self.output_graph.root_tx.f_code
-        name = self.code.co_qualname
+        name = getattr(self.code, "co_qualname", self.code.co_name)  # co_qualname: Python 3.11+
         return name if code is self.code else f"{name} (resumed after a graph break)"
 
     def evaluate(self, source: Any) -> Any:

@@ -15,12 +15,18 @@ table says.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 import torch
 
 from xform.dynamo_frame import DynamoFrame
+
+
+def readable_source(name: str) -> str:
+    """`L['self']._modules['blocks']._modules['0']._parameters['weight']` -> `L['self'].blocks.0.weight`."""
+    return re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
 
 
 def _dims(values: Any) -> tuple[int | str, ...]:
@@ -86,7 +92,7 @@ class GuardChange:
         return self.after.source
 
     def describe(self) -> str:
-        return f"{self.source}: {self.before.describe()} -> {self.after.describe()} ({self.changed_by})"
+        return f"{readable_source(self.source)}: {self.before.describe()} -> {self.after.describe()} ({self.changed_by})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "before": self.before.to_dict(), "after": self.after.to_dict(),

@@ -22,6 +22,13 @@ from xform.report import GraphRecord, TransformRecord
 from xform.transform import Transform
 
 
+PARAMETERS_NOT_INPUTS = (
+    "the graph reads them as attributes of the graph module, not as inputs (a graph traced outside "
+    "Dynamo, or torch < 2.13 with torch._dynamo.config.inline_inbuilt_nn_modules = False); xform "
+    "transforms only parameters that are graph inputs: compile with torch.compile and the default config"
+)
+
+
 def check_order(transforms: Sequence[Transform]) -> None:
     """Refuse duplicates and orders that break a transform's `must_follow` / `must_precede`."""
     names = [t.name or type(t).__name__ for t in transforms]
@@ -70,7 +77,10 @@ class Pipeline:
         """Transform one captured graph, install its guards, compile it and wrap the result."""
         records = {t.name: TransformRecord(t.name) for t in self.transforms}
         record.transforms = list(records.values())
+        held = graph.parameters_held_by_graph_module()
         for t in self._with("transform_parameters"):
+            if held:
+                records[t.name].skipped(f"{len(held)} parameters", PARAMETERS_NOT_INPUTS)
             with _timed(t, records[t.name], "transform_parameters"):
                 t.transform_parameters(graph, records[t.name])
         for t in self._with("transform_graph"):

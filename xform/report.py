@@ -80,6 +80,7 @@ class GraphRecord:
     transforms: list[TransformRecord] = field(default_factory=list)
     guard_changes: list[GuardChange] = field(default_factory=list)
     handoff_seconds: float = 0.0
+    xform_seconds: float = 0.0  # time in xform itself: everything in the backend call but the handoff
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +92,7 @@ class GraphRecord:
             "transforms": [t.to_dict() for t in self.transforms],
             "guard_changes": [g.to_dict() for g in self.guard_changes],
             "handoff_seconds": round(self.handoff_seconds, 6),
+            "xform_seconds": round(self.xform_seconds, 6),
         }
 
 
@@ -117,7 +119,7 @@ class Report:
             lines.append("")
             lines.append(
                 f"graph {g.graph} ({g.code}): {g.nodes_before} -> {g.nodes_after} nodes, "
-                f"handoff {g.handoff} {g.handoff_seconds * 1e3:.0f} ms"
+                f"handoff {g.handoff} {g.handoff_seconds * 1e3:.0f} ms, xform {g.xform_seconds * 1e3:.1f} ms"
             )
             if not g.transforms:
                 lines.append("  no transforms")
@@ -130,9 +132,21 @@ class Report:
                 rows += [("", "note", "", n) for n in t.notes]
             if len(rows) > 1:
                 lines += _table(rows)
-            for change in g.guard_changes:
-                lines.append(f"  guard {change.describe()}")
+            lines += _guard_lines(g.guard_changes)
         return "\n".join(lines)
+
+
+GUARD_LINES = 4
+
+
+def _guard_lines(changes: list[GuardChange]) -> list[str]:
+    if not changes:
+        return []
+    lines = [f"  guards rewritten: {len(changes)}"]
+    lines += [f"    {change.describe()}" for change in changes[:GUARD_LINES]]
+    if len(changes) > GUARD_LINES:
+        lines.append(f"    ... and {len(changes) - GUARD_LINES} more (Report.to_dict() lists them all)")
+    return lines
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -150,7 +150,7 @@ class Cast(Transform):
             before = param.tensor
             graph.replace_parameter(param, low_precision_parameter(before, self.dtype), by=self.name)
             saved += before.nbytes - param.tensor.nbytes
-        record.changed("layer", path, f"{_dtype_name(before.dtype)} -> {_dtype_name(self.dtype)}, {saved} bytes saved")
+        record.changed("layer", path, f"{_dtype_name(before.dtype)} -> {_dtype_name(self.dtype)}, {_bytes(saved)} saved")
 
     def _report_borrowed_weights(self, graph: CapturedGraph, record: TransformRecord) -> None:
         """Linear layers whose weight belongs to another module (tied weights) are left alone: say so."""
@@ -179,6 +179,7 @@ class Cast(Transform):
         return None
 
     def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
+        rewritten = 0
         for node in list(graph.gm.graph.nodes):
             if not _is_linear(node):
                 continue
@@ -197,8 +198,16 @@ class Cast(Transform):
                 back = insert_call(g, "call_method", "to", (linear, x_value.dtype))
             node.replace_all_uses_with(back)
             g.erase_node(node)
-            record.changed("node", node.name, f"linear computed in {_dtype_name(param.tensor.dtype)}, "
-                                              f"output cast back to {_dtype_name(x_value.dtype)}")
+            rewritten += 1
+        if rewritten:
+            record.changed("nodes", f"{rewritten} linear calls", "compute in the weights' dtype, outputs cast back "
+                                                                 "to the input dtype")
+
+
+def _bytes(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    return f"{count / 1024:.1f} KiB" if count < 2**20 else f"{count / 2**20:.1f} MiB"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

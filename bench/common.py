@@ -1,0 +1,37 @@
+"""What every benchmark shares: where results go, the environment they ran in, a table printer."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
+            "gpu": gpu, "cpu_threads": torch.get_num_threads()}
+
+
+def write_result(name: str, rows: list[dict[str, Any]], out_dir: Path | None = None, **extra: Any) -> Path:
+    """Write `{environment, rows, ...}` to `<out_dir or bench/results>/<name>.json`."""
+    directory = out_dir or RESULTS
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "environment": environment(), "rows": rows, **extra}, indent=2))
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for row in cells:
+        print(" | ".join(v.ljust(w) for v, w in zip(row, widths)))

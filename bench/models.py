@@ -1,0 +1,88 @@
+"""Benchmark models: a llama-style decoder (RMSNorm, rotary embeddings, SwiGLU, GQA-ready attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int = 32000
+    dim: int = 2048
+    layers: int = 16
+    heads: int = 16
+    kv_heads: int = 16
+    hidden: int = 5632
+    max_seq: int = 1024
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.dim // c.heads
+        self.wq = nn.Linear(c.dim, c.heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(c.dim, 2 * c.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.heads * self.head_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.wkv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(c.dim, c.hidden, bias=False)
+        self.w3 = nn.Linear(c.dim, c.hidden, bias=False)
+        self.w2 = nn.Linear(c.hidden, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(c.dim), nn.RMSNorm(c.dim)
+        self.attention, self.feed_forward = Attention(c), FeedForward(c)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c.vocab, c.dim)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.dim)
+        self.output = nn.Linear(c.dim, c.vocab, bias=False)
+        head_dim = c.dim // c.heads
+        freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(c.max_seq).float(), freqs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        cos, sin = self.cos[:s], self.sin[:s]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))

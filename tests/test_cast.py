@@ -1,0 +1,149 @@
+"""The `cast` transform: which layers, what it refuses, training through it, saving and loading."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import xform
+from xform.transforms import Cast, LowPrecisionWeight
+from models import TransformerBlock, mlp
+
+
+def cast_layers(model: nn.Module) -> list[str]:
+    return [c.target for c in xform.report(model).changes("cast") if c.kind == "layer"]
+
+
+@pytest.mark.parametrize("filter, expected", [
+    (None, ["qkv", "proj", "up", "down"]),
+    ("up|down", ["up", "down"]),
+    (["qkv"], ["qkv"]),
+    (lambda path, module: module.out_features == 32, ["proj", "down"]),
+])
+def test_filter_selects_layers(filter, expected):
+    model = TransformerBlock()
+    xform.compile(model, Cast(filter=filter), handoff="eager")(torch.randn(2, 8, 32))
+    assert cast_layers(model) == expected
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            assert (module.weight.dtype == torch.bfloat16) == (name in expected)
+
+
+def test_unselected_layers_are_not_reported_as_skipped():
+    model = TransformerBlock()
+    xform.compile(model, Cast(filter="up"), handoff="eager")(torch.randn(2, 8, 32))
+    assert xform.report(model).skips("cast") == []
+
+
+@pytest.mark.parametrize("filter, message", [
+    ("up(", r"transform 'cast': filter 'up\(' is not a valid regex"),
+    (3, r"transform 'cast': filter must be None, a regex string, a list of module paths or a callable"),
+])
+def test_bad_filter(filter, message):
+    with pytest.raises(ValueError, match=message):
+        Cast(filter=filter)
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match=r"transform 'cast': dtype must be torch.bfloat16 or torch.float16, got torch.int8"):
+        Cast(torch.int8)
+
+
+def test_fp16():
+    model = mlp()
+    out = xform.compile(model, "cast:fp16", handoff="eager")(torch.randn(2, 16))
+    assert model[0].weight.dtype == torch.float16 and out.dtype == torch.float32
+
+
+def test_layers_already_in_the_target_dtype_are_skipped_with_the_reason():
+    model = mlp().bfloat16()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16, dtype=torch.bfloat16))
+    assert [(s.target, s.reason) for s in xform.report(model).skips("cast")] == [
+        ("0", "its weight is already bfloat16"), ("2", "its weight is already bfloat16")]
+
+
+def test_weight_read_by_another_op_is_skipped_with_the_reason():
+    class Reuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x) + x @ self.fc.weight
+
+    model = Reuse()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    (skip,) = xform.report(model).skips("cast")
+    assert skip.target == "fc" and "its weight is also read by node 'matmul' (matmul)" in skip.reason
+    assert model.fc.weight.dtype == torch.float32
+
+
+def test_training_steps_the_cast_parameters():
+    model = mlp()
+    compiled = xform.compile(model, "cast:bf16", handoff="eager")
+    x, target = torch.randn(8, 16), torch.randn(8, 16)
+    compiled(x)  # the first call replaces the parameters: create the optimizer after it
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = model[0].weight.detach().clone()
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(compiled(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert type(model[0].weight) is LowPrecisionWeight and model[0].weight.dtype == torch.bfloat16
+    assert not torch.equal(before, model[0].weight.detach())
+    assert losses[-1] < losses[0]
+
+
+def test_state_dict_saves_and_loads_into_a_fresh_cast_model():
+    model = mlp()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    torch.serialization.add_safe_globals([LowPrecisionWeight])
+    state = torch.load(buffer)  # weights_only=True, with the class allowed
+
+    fresh = mlp()
+    compiled = xform.compile(fresh, "cast:bf16", handoff="eager")
+    compiled(torch.randn(2, 16))
+    fresh.load_state_dict(state)
+
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
+
+
+def test_eager_cast_model_matches_the_compiled_one():
+    model = TransformerBlock()
+    compiled = xform.compile(model, "cast:bf16", handoff="eager")
+    x = torch.randn(2, 8, 32)
+    out = compiled(x)
+    torch.testing.assert_close(model(x), out)  # LowPrecisionWeight gives eager code the graph's meaning
+
+
+def test_deepcopy_of_a_cast_model():
+    model = mlp()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    twin = copy.deepcopy(model)
+    assert type(twin[0].weight) is LowPrecisionWeight and isinstance(twin[0].weight, nn.Parameter)
+    assert twin[0].weight.data_ptr() != model[0].weight.data_ptr()
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(twin(x), model(x))
+
+
+def test_a_second_instance_of_the_same_class_is_cast_too():
+    first, second = mlp(), mlp()
+    compiled_first = xform.compile(first, "cast:bf16", handoff="eager")
+    compiled_second = xform.compile(second, "cast:bf16", handoff="eager")
+    x = torch.randn(2, 16)
+    compiled_first(x)
+    out = compiled_second(x)
+    assert second[0].weight.dtype == torch.bfloat16
+    torch.testing.assert_close(out, second(x))
