@@ -61,8 +61,8 @@ def test_skips_say_why():
     (skip,) = xform.report(model).skips("cast")
 
     assert skip.target == "head"
-    assert skip.reason == ("its weight is embed.weight, shared with embed (Embedding, tied weights); casting it "
-                           "would change that module too. Untie the weights to cast it")
+    assert skip.reason == ("its weight is embed.weight, shared with embed (Embedding, tied weights); changing it "
+                           "would change that module too. Untie the weights to change it")
     assert model.head.weight.dtype == torch.float32 and model.body.weight.dtype == torch.bfloat16
 
 

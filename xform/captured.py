@@ -48,6 +48,7 @@ class CapturedGraph:
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._sources: dict[str, Any] = {}
         self._locations: dict[str, ModuleAttribute] = {}
+        self._live_modules: dict[str, nn.Module] = {}
         self.parameters: list[GraphParameter] = []
         expectations = []
         for index, (node, value) in enumerate(zip(self.placeholders, self.example_inputs)):
@@ -103,18 +104,47 @@ class CapturedGraph:
                 f"(passed as an argument?), so there is no module attribute to hold the replacement"
             )
         setattr(param.owner, param.name, new)
+        return self._adopt(param, new, by=by, placement=placement)
+
+    def _adopt(self, param: GraphParameter, new: torch.Tensor, *, by: str, placement: str | None = None) -> GuardChange:
+        """Make the graph and its guards expect `new`, which the model already holds where `param` was."""
         self.example_inputs[param.index] = new
         update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new))
         param.tensor = new
         return self.guards.expect(param.source, new, changed_by=by, placement=placement)
 
+    def replace_module(self, param: GraphParameter, new: nn.Module, *, by: str) -> None:
+        """Put `new` in place of the module that owns `param` (Linear -> Float8Linear), and guard its type.
+
+        The new module normally keeps the old one's parameter objects; any it replaces are adopted
+        as replaced parameters.
+        """
+        location = self._locations.get(param.source)
+        if location is None or location.owner_parent_source is None:
+            raise ValueError(
+                f"xform: transform '{by}' cannot replace the module holding {param.source}: it is the compiled "
+                f"module itself, not a submodule; wrap it in a container (nn.Sequential(model)) to transform it"
+            )
+        old = param.owner
+        setattr(self.frame.evaluate(location.owner_parent_source), location.owner_key, new)
+        owner_name = location.owner_source.name
+        self._sources[owner_name] = location.owner_source
+        self._live_modules[owner_name] = new
+        self.guards.swap_module(owner_name, type(old), type(new), changed_by=by)
+        for other in self.parameters:
+            if other.owner is old:
+                other.owner = new
+                held = getattr(new, other.name)
+                if held is not other.tensor:
+                    self._adopt(other, held, by=by)
+
     def install_guards(self) -> list[GuardChange]:
-        """Make Dynamo guard the transformed model; returns the changes installed."""
+        """Make Dynamo guard the transformed model; returns the tensor changes installed."""
         changes = self.guards.changes
-        if changes:
+        if changes or self.guards.module_swaps:
             if self.frame is None:
-                raise RuntimeError("xform: parameters were replaced outside a Dynamo compile; no guards to rewrite")
-            live = {p.source: p.tensor for p in self.parameters}
+                raise RuntimeError("xform: the model was changed outside a Dynamo compile; no guards to rewrite")
+            live = {p.source: p.tensor for p in self.parameters} | self._live_modules
             self.guards.install(self.frame, self._sources, live)
         return changes
 

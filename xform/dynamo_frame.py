@@ -60,26 +60,58 @@ class DynamoFrame:
         scope = {"L": self.output_graph.local_scope, "G": self.output_graph.global_scope}
         return eval(source.name, scope)  # noqa: S307 - source names are Dynamo's own expressions
 
-    def rewrite_tensor_guard(self, source: Any, tensor: torch.Tensor) -> list[str]:
+    def rewrite_tensor_guard(self, source: Any, tensor: torch.Tensor) -> None:
         """Make the guards on `source` expect `tensor` (type, dtype, device, shape, stride, ...).
 
         Dynamo's TENSOR_MATCH guard captured a weak reference to the traced tensor and reads its
         size/stride from `input_source_to_sizes_strides`; both are replaced, so the guard checks
-        the tensor the module holds now. Returns the kinds of the guards that were replaced.
+        the tensor the module holds now. A wrapper tensor subclass (torchao's quantized weights,
+        DTensor) gets what Dynamo gives one it traces: its type, its flatten metadata and a guard
+        on each inner tensor, since the compiled code is specialized on all of them.
         """
+        guards = self.tracing_context.guards_context.dynamo_guards
+        _remove_guards_on(guards, source)
+        self._add_tensor_guards(guards, source, tensor)
+
+    def _add_tensor_guards(self, guards: Any, source: Any, tensor: torch.Tensor) -> None:
         from torch._dynamo.guards import GuardBuilder
+        from torch._dynamo.source import AttrSource, SubclassAttrListSource
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
         from torch.utils.weak import TensorWeakRef
 
-        guards = self.tracing_context.guards_context.dynamo_guards
-        replaced = [g.create_fn_name() for g in guards if _derived_from(g.originating_source, source)]
-        _remove_guards_on(guards, source)
+        def add(src: Any, builder: Any) -> None:
+            guards.add(src.make_guard(builder), collect_debug_stack=False)
+
         self.output_graph.input_source_to_sizes_strides[source] = {
             "size": tuple(tensor.size()),
             "stride": tuple(tensor.stride()),
         }
-        match = functools.partial(GuardBuilder.TENSOR_MATCH, value=TensorWeakRef(tensor))
-        guards.add(source.make_guard(match), collect_debug_stack=False)
-        return replaced
+        add(source, functools.partial(GuardBuilder.TENSOR_MATCH, value=TensorWeakRef(tensor)))
+        if not is_traceable_wrapper_subclass(tensor):
+            return
+        add(source, GuardBuilder.TYPE_MATCH)
+        if _is_dtensor(tensor):
+            add(AttrSource(source, "_spec"), GuardBuilder.DTENSOR_SPEC_MATCH)
+            add(AttrSource(source, "requires_grad"), GuardBuilder.EQUALS_MATCH)
+        else:
+            add(source, GuardBuilder.TENSOR_SUBCLASS_METADATA_MATCH)
+            add(SubclassAttrListSource(source), GuardBuilder.EQUALS_MATCH)
+        for attr in tensor.__tensor_flatten__()[0]:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, torch.Tensor):
+                self._add_tensor_guards(guards, AttrSource(source, attr), inner)
+
+    def rewrite_module_type_guard(self, source: Any) -> None:
+        """Re-check the type of the module at `source` against what the frame holds now (after a swap)."""
+        from torch._dynamo.guards import GuardBuilder
+
+        guards = self.tracing_context.guards_context.dynamo_guards
+        _remove_guards_on(guards, source, exact=True, kinds=("TYPE_MATCH", "ID_MATCH"))
+        guards.add(source.make_guard(GuardBuilder.TYPE_MATCH), collect_debug_stack=False)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return torch.distributed.is_available() and isinstance(tensor, torch.distributed.tensor.DTensor)
 
 
 def _derived_from(source: Any, target: Any) -> bool:
@@ -93,12 +125,17 @@ def _derived_from(source: Any, target: Any) -> bool:
     return False
 
 
-def _remove_guards_on(guards: Any, source: Any) -> None:
-    """Drop the guards on `source` and what derives from it. (`GuardsSet.remove_guards_with_source`
-    in torch 2.11 compares only the root of each guard's source, so it never matches a parameter.)"""
+def _remove_guards_on(guards: Any, source: Any, *, exact: bool = False, kinds: tuple[str, ...] = ()) -> None:
+    """Drop the guards on `source` and (unless `exact`) on what derives from it, optionally only
+    those of the given kinds. (`GuardsSet.remove_guards_with_source` in torch 2.11 compares only
+    the root of each guard's source, so it never matches a parameter.)"""
     from torch.utils._ordered_set import OrderedSet
 
-    kept = [g for g in guards if not _derived_from(g.originating_source, source)]
+    def doomed(guard: Any) -> bool:
+        on = guard.originating_source == source if exact else _derived_from(guard.originating_source, source)
+        return on and (not kinds or guard.create_fn_name() in kinds)
+
+    kept = [g for g in guards if not doomed(g)]
     if hasattr(guards, "clear"):  # torch >= 2.13 also indexes guards by source; clear() resets both
         guards.clear()
     else:
@@ -143,6 +180,8 @@ class ModuleAttribute:
     name: str
     module_path: str
     root_source: Any
+    owner_parent_source: Any | None  # None when the owner is the compiled root itself
+    owner_key: str | None  # the owner's name in its parent's `_modules`
 
 
 def _unwrapped(source: Any) -> Any:
@@ -174,13 +213,17 @@ def module_attribute(source: Any) -> ModuleAttribute | None:
         return None
     owner_source = _unwrapped(source.base.base)
     path: list[str] = []
+    parents: list[Any] = []
     node = owner_source
     while keyed(node, "_modules"):
         path.append(str(node.index))
         node = _unwrapped(node.base.base)
+        parents.append(node)
     return ModuleAttribute(
         owner_source=owner_source,
         name=str(source.index),
         module_path=".".join(reversed(path)),
         root_source=node,
+        owner_parent_source=parents[0] if parents else None,
+        owner_key=path[0] if path else None,
     )

@@ -99,6 +99,22 @@ class GuardChange:
                 "changed_by": self.changed_by}
 
 
+@dataclass(frozen=True)
+class ModuleSwap:
+    """A module replaced by another class (Linear -> Float8Linear): its type guard now expects the new one."""
+
+    source: str
+    before: str
+    after: str
+    changed_by: str
+
+    def describe(self) -> str:
+        return f"{readable_source(self.source)}: {self.before} -> {self.after} ({self.changed_by})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
 class GuardModel:
     """The expectations of one compiled graph, one per tensor placeholder, keyed by source name."""
 
@@ -106,6 +122,7 @@ class GuardModel:
         self._traced = {e.source: e for e in expectations}
         self._current = dict(self._traced)
         self._changed_by: dict[str, str] = {}
+        self.module_swaps: list[ModuleSwap] = []
 
     def __getitem__(self, source: str) -> TensorExpectation:
         return self._current[source]
@@ -125,6 +142,12 @@ class GuardModel:
         self._changed_by[source] = changed_by
         return GuardChange(before, self._current[source], changed_by)
 
+    def swap_module(self, source: str, before: type, after: type, *, changed_by: str) -> ModuleSwap:
+        """Record that the module at `source` is now of class `after`."""
+        swap = ModuleSwap(source, before.__name__, after.__name__, changed_by)
+        self.module_swaps.append(swap)
+        return swap
+
     @property
     def changes(self) -> list[GuardChange]:
         return [
@@ -133,13 +156,20 @@ class GuardModel:
             if self._traced[s] != self._current[s]
         ]
 
-    def install(self, frame: DynamoFrame, sources: dict[str, Any], live: dict[str, torch.Tensor]) -> None:
+    def install(self, frame: DynamoFrame, sources: dict[str, Any], live: dict[str, Any]) -> None:
         """Make Dynamo's guards check the current expectations.
 
-        `sources` maps each source name to Dynamo's Source object, `live` to the tensor the model
-        holds there now. A mismatch between what a transform declared and what it really put in the
-        module is a bug in that transform, reported as such rather than left to fail later.
+        `sources` maps each source name to Dynamo's Source object, `live` to the tensor or module
+        the model holds there now. A mismatch between what a transform declared and what it really
+        put in the model is a bug in that transform, reported as such rather than left to fail later.
         """
+        for swap in self.module_swaps:
+            if type(live[swap.source]).__name__ != swap.after:
+                raise RuntimeError(
+                    f"xform: transform '{swap.changed_by}' declared that {swap.source} is now a {swap.after}, "
+                    f"but the model holds a {type(live[swap.source]).__name__} there"
+                )
+            frame.rewrite_module_type_guard(sources[swap.source])
         for change in self.changes:
             tensor = live[change.source]
             if not change.after.matches(tensor):

@@ -27,8 +27,17 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from xform.captured import CapturedGraph, GraphParameter
-from xform.dynamo_frame import calling_module_path
 from xform.fx_rewrite import example_value, insert_call
+from xform.linear_layers import (
+    LinearLayer,
+    borrowed_weights,
+    dtype_name,
+    format_bytes,
+    is_linear,
+    linear_layers,
+    linear_operands,
+    other_reader_refusal,
+)
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.selection import LayerFilter, layer_selector
@@ -79,31 +88,6 @@ def low_precision_parameter(param: torch.Tensor, dtype: torch.dtype) -> nn.Param
     return nn.Parameter(data, requires_grad=param.requires_grad)
 
 
-def _linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
-    """(input, weight, bias) of a `linear` call node, wherever the caller put them."""
-    args = list(node.args) + [None] * (3 - len(node.args))
-    return (args[0] if args[0] is not None else node.kwargs.get("input"),
-            args[1] if args[1] is not None else node.kwargs.get("weight"),
-            args[2] if args[2] is not None else node.kwargs.get("bias"))
-
-
-def _is_linear(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is F.linear
-
-
-def _non_linear_reader(node: fx.Node, slot: int) -> fx.Node | None:
-    """The first node reading `node` other than as operand `slot` of a linear call, looking through
-    dtype casts (a recompile traces `LowPrecisionWeight`'s own casts); None if there is none."""
-    for user in node.users:
-        if user.op == "call_method" and user.target == "to":
-            found = _non_linear_reader(user, slot)
-            if found is not None:
-                return found
-        elif not (_is_linear(user) and _linear_operands(user)[slot] is node):
-            return user
-    return None
-
-
 @register_transform
 class Cast(Transform):
     """Linear weights and biases held and computed in bf16/fp16 (`cast:bf16`)."""
@@ -128,62 +112,40 @@ class Cast(Transform):
         return cls(argument or "bf16")
 
     def transform_parameters(self, graph: CapturedGraph, record: TransformRecord) -> None:
-        layers: dict[str, list[GraphParameter]] = {}
-        for param in graph.parameters:
-            if isinstance(param.owner, nn.Linear) and param.name in ("weight", "bias"):
-                layers.setdefault(param.module_path, []).append(param)
-        for path, params in layers.items():
-            if self._selects(path, params[0].owner):
-                self._cast_layer(graph, path, params, record)
-        self._report_borrowed_weights(graph, record)
-
-    def _cast_layer(self, graph: CapturedGraph, path: str, params: list[GraphParameter], record: TransformRecord) -> None:
-        reason = self._refusal(params)
-        if reason is not None:
+        for layer in linear_layers(graph, self._selects):
+            self._cast_layer(graph, layer, record)
+        for path, reason in borrowed_weights(graph, self._selects):
             record.skipped(path, reason)
+
+    def _cast_layer(self, graph: CapturedGraph, layer: LinearLayer, record: TransformRecord) -> None:
+        reason = next(filter(None, (self._refusal(p) for p in layer.params)), None)
+        if reason is not None:
+            record.skipped(layer.path, reason)
             return
-        if all(isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype == self.dtype for p in params):
-            record.note(f"{path} was cast by an earlier compile of this model")
+        if all(isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype == self.dtype for p in layer.params):
+            record.note(f"{layer.path} was cast by an earlier compile of this model")
             return
         saved = 0
-        for param in params:
+        for param in layer.params:
             before = param.tensor
             graph.replace_parameter(param, low_precision_parameter(before, self.dtype), by=self.name)
             saved += before.nbytes - param.tensor.nbytes
-        record.changed("layer", path, f"{_dtype_name(before.dtype)} -> {_dtype_name(self.dtype)}, {_bytes(saved)} saved")
+        record.changed("layer", layer.path,
+                       f"{dtype_name(before.dtype)} -> {dtype_name(self.dtype)}, {format_bytes(saved)} saved")
 
-    def _report_borrowed_weights(self, graph: CapturedGraph, record: TransformRecord) -> None:
-        """Linear layers whose weight belongs to another module (tied weights) are left alone: say so."""
-        roots = graph.root_modules()
-        for node in graph.gm.graph.nodes:
-            param = graph.parameter_for(_linear_operands(node)[1]) if _is_linear(node) else None
-            if param is None or isinstance(param.owner, nn.Linear):
-                continue
-            path = calling_module_path(node) or node.name
-            layer = roots[0].get_submodule(path) if roots and path != node.name else None
-            if self._selects(path, layer):
-                record.skipped(path, f"its weight is {param.fqn}, shared with {param.module_path} "
-                                     f"({type(param.owner).__name__}, tied weights); casting it would change that "
-                                     f"module too. Untie the weights to cast it")
-
-    def _refusal(self, params: list[GraphParameter]) -> str | None:
-        for param in params:
-            if not param.tensor.is_floating_point():
-                return f"its {param.name} is {param.tensor.dtype}, not floating point"
-            if param.tensor.dtype == self.dtype and not isinstance(param.tensor, LowPrecisionWeight):
-                return f"its {param.name} is already {_dtype_name(self.dtype)}"
-            other = _non_linear_reader(param.node, slot=1 if param.name == "weight" else 2)
-            if other is not None:
-                return (f"its {param.name} is also read by node '{other.name}' ({_op_name(other)}); casting it "
-                        f"would change what that op computes. Exclude the layer with filter= or untie it")
-        return None
+    def _refusal(self, param: GraphParameter) -> str | None:
+        if not param.tensor.is_floating_point():
+            return f"its {param.name} is {param.tensor.dtype}, not floating point"
+        if param.tensor.dtype == self.dtype and not isinstance(param.tensor, LowPrecisionWeight):
+            return f"its {param.name} is already {dtype_name(self.dtype)}"
+        return other_reader_refusal(param)
 
     def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
         rewritten = 0
         for node in list(graph.gm.graph.nodes):
-            if not _is_linear(node):
+            if not is_linear(node):
                 continue
-            x, weight, bias = _linear_operands(node)
+            x, weight, bias = linear_operands(node)
             param = graph.parameter_for(weight) if isinstance(weight, fx.Node) else None
             x_value = example_value(x)
             if param is None or not isinstance(param.tensor, LowPrecisionWeight) or x_value.dtype == param.tensor.dtype:
@@ -200,19 +162,5 @@ class Cast(Transform):
             g.erase_node(node)
             rewritten += 1
         if rewritten:
-            record.changed("nodes", f"{rewritten} linear calls", "compute in the weights' dtype, outputs cast back "
-                                                                 "to the input dtype")
-
-
-def _bytes(count: int) -> str:
-    if count < 1024:
-        return f"{count} B"
-    return f"{count / 1024:.1f} KiB" if count < 2**20 else f"{count / 2**20:.1f} MiB"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _op_name(node: fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            record.changed("nodes", f"{rewritten} linear calls",
+                           "compute in the weights' dtype, outputs cast back to the input dtype")

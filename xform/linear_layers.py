@@ -1,0 +1,107 @@
+"""The Linear layers a captured graph reads: their parameters, their calls, the ones whose weight
+belongs to another module, and their sizes. Shared by the transforms that change Linear layers
+(cast, quantize)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from xform.captured import CapturedGraph, GraphParameter
+from xform.dynamo_frame import calling_module_path
+
+
+@dataclass
+class LinearLayer:
+    """One `nn.Linear` (or subclass) whose parameters the graph takes as inputs."""
+
+    path: str
+    module: nn.Linear
+    params: list[GraphParameter]  # weight, and bias when it has one, as the graph reads them
+
+    @property
+    def weight(self) -> GraphParameter | None:
+        return next((p for p in self.params if p.name == "weight"), None)
+
+
+def linear_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module], bool]) -> list[LinearLayer]:
+    """The Linear layers of the graph that `selects(path, module)` accepts, in graph order."""
+    layers: dict[str, LinearLayer] = {}
+    for param in graph.parameters:
+        if isinstance(param.owner, nn.Linear) and param.name in ("weight", "bias"):
+            layer = layers.setdefault(param.module_path, LinearLayer(param.module_path, param.owner, []))
+            layer.params.append(param)
+    return [layer for layer in layers.values() if selects(layer.path, layer.module)]
+
+
+def borrowed_weights(graph: CapturedGraph, selects: Callable[[str, nn.Module | None], bool]) -> Iterator[tuple[str, str]]:
+    """(layer path, reason) for each selected Linear whose weight belongs to another module (tied
+    weights, as GPT-2's head and embedding): changing it would change that module too."""
+    roots = graph.root_modules()
+    for node in graph.gm.graph.nodes:
+        param = graph.parameter_for(linear_operands(node)[1]) if is_linear(node) else None
+        if param is None or isinstance(param.owner, nn.Linear):
+            continue
+        path = calling_module_path(node) or node.name
+        layer = roots[0].get_submodule(path) if roots and path != node.name else None
+        if selects(path, layer):
+            yield path, (f"its weight is {param.fqn}, shared with {param.module_path} ({type(param.owner).__name__}, "
+                         f"tied weights); changing it would change that module too. Untie the weights to change it")
+
+
+def is_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is F.linear
+
+
+def linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias) of a `linear` call node, wherever the caller put them."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return (args[0] if args[0] is not None else node.kwargs.get("input"),
+            args[1] if args[1] is not None else node.kwargs.get("weight"),
+            args[2] if args[2] is not None else node.kwargs.get("bias"))
+
+
+def non_linear_reader(node: fx.Node, slot: int) -> fx.Node | None:
+    """The first node reading `node` other than as operand `slot` (1 weight, 2 bias) of a linear
+    call, looking through dtype casts; None if there is none."""
+    for user in node.users:
+        if user.op == "call_method" and user.target == "to":
+            found = non_linear_reader(user, slot)
+            if found is not None:
+                return found
+        elif not (is_linear(user) and linear_operands(user)[slot] is node):
+            return user
+    return None
+
+
+def other_reader_refusal(param: GraphParameter) -> str | None:
+    """Why `param` must not change: some op other than its layer's linear call reads it."""
+    other = non_linear_reader(param.node, slot=1 if param.name == "weight" else 2)
+    if other is None:
+        return None
+    op = other.target if isinstance(other.target, str) else getattr(other.target, "__name__", str(other.target))
+    return (f"its {param.name} is also read by node '{other.name}' ({op}); changing it would change what that op "
+            f"computes. Exclude the layer with filter= or untie it")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor really stores: for a wrapper subclass (a quantized weight), its inner tensors."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner = (getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
+        return sum(tensor_bytes(t) for t in inner if isinstance(t, torch.Tensor))
+    return tensor.untyped_storage().nbytes() if tensor.numel() else 0
+
+
+def format_bytes(count: float) -> str:
+    if count < 1024:
+        return f"{count:.0f} B"
+    return f"{count / 1024:.1f} KiB" if count < 2**20 else f"{count / 2**20:.1f} MiB"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
