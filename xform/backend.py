@@ -84,7 +84,7 @@ class Backend:
             )
         start = time.perf_counter()
         frame = DynamoFrame.current()
-        graph = CapturedGraph(gm, example_inputs, frame)
+        graph = CapturedGraph(gm, example_inputs, frame, self.pipeline.handoff.name)
         record = GraphRecord(
             graph=_compile_id(),
             code=_traced_name(graph),

@@ -41,8 +41,10 @@ class GraphParameter:
 class CapturedGraph:
     """A Dynamo graph plus what transforms need to change it consistently."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], frame: DynamoFrame | None) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], frame: DynamoFrame | None,
+                 handoff: str = "inductor") -> None:
         self.gm = gm
+        self.handoff = handoff  # where the graph goes next: transforms may depend on what it can compile
         self.example_inputs = list(example_inputs)
         self.frame = frame
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -110,6 +112,8 @@ class CapturedGraph:
         """Make the graph and its guards expect `new`, which the model already holds where `param` was."""
         self.example_inputs[param.index] = new
         update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new))
+        if self.frame is not None:
+            self.frame.register_replacement(self._sources[param.source], new)
         param.tensor = new
         return self.guards.expect(param.source, new, changed_by=by, placement=placement)
 
@@ -137,6 +141,10 @@ class CapturedGraph:
                 held = getattr(new, other.name)
                 if held is not other.tensor:
                     self._adopt(other, held, by=by)
+
+    def modules_replaced_by(self, transform: str) -> list[nn.Module]:
+        """The modules `transform` put into the model in this graph (with `replace_module`)."""
+        return [self._live_modules[swap.source] for swap in self.guards.module_swaps if swap.changed_by == transform]
 
     def install_guards(self) -> list[GuardChange]:
         """Make Dynamo guard the transformed model; returns the tensor changes installed."""

@@ -60,6 +60,15 @@ class DynamoFrame:
         scope = {"L": self.output_graph.local_scope, "G": self.output_graph.global_scope}
         return eval(source.name, scope)  # noqa: S307 - source names are Dynamo's own expressions
 
+    def register_replacement(self, source: Any, tensor: torch.Tensor) -> None:
+        """Tell AOTAutograd that `tensor` (a replacement parameter) has static shapes and lives at `source`.
+
+        AOTAutograd fakifies each real example input with the symbolic context Dynamo recorded for
+        it; a tensor Dynamo never saw would get fresh symbolic sizes with no source, and any shape
+        guard on them (torchao's MX kernels make some) breaks guard building.
+        """
+        self.tracing_context.tensor_to_context[tensor] = _static_context(source, tensor)
+
     def rewrite_tensor_guard(self, source: Any, tensor: torch.Tensor) -> None:
         """Make the guards on `source` expect `tensor` (type, dtype, device, shape, stride, ...).
 
@@ -108,6 +117,23 @@ class DynamoFrame:
         guards = self.tracing_context.guards_context.dynamo_guards
         _remove_guards_on(guards, source, exact=True, kinds=("TYPE_MATCH", "ID_MATCH"))
         guards.add(source.make_guard(GuardBuilder.TYPE_MATCH), collect_debug_stack=False)
+
+
+def _static_context(source: Any, tensor: torch.Tensor) -> Any:
+    from torch._dynamo.source import AttrSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatefulSymbolicContext, SubclassSymbolicContext
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    dims = {"dynamic_sizes": [DimDynamic.STATIC] * tensor.dim(), "constraint_sizes": [None] * tensor.dim(),
+            "tensor_source": source}
+    if not is_traceable_wrapper_subclass(tensor):
+        return StatefulSymbolicContext(**dims)
+    inner = {
+        attr: _static_context(AttrSource(source, attr), getattr(tensor, attr))
+        for attr in tensor.__tensor_flatten__()[0]
+        if isinstance(getattr(tensor, attr), torch.Tensor)
+    }
+    return SubclassSymbolicContext(**dims, inner_contexts=inner)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

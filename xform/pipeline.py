@@ -107,6 +107,7 @@ class Pipeline:
             with _timed(t, records[t.name], "transform_guards"):
                 t.transform_guards(graph.guards, records[t.name])
         record.guard_changes = graph.install_guards()
+        record.module_swaps = list(graph.guards.module_swaps)
 
         for t in self._with("wrap_compiled"):
             with _timed(t, records[t.name], "wrap_compiled"):

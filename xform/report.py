@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from xform.guards import GuardChange
+from xform.guards import GuardChange, ModuleSwap
 from xform.log import logger
 
 
@@ -79,6 +79,7 @@ class GraphRecord:
     nodes_after: int = 0
     transforms: list[TransformRecord] = field(default_factory=list)
     guard_changes: list[GuardChange] = field(default_factory=list)
+    module_swaps: list[ModuleSwap] = field(default_factory=list)
     handoff_seconds: float = 0.0
     xform_seconds: float = 0.0  # time in xform itself: everything in the backend call but the handoff
 
@@ -91,6 +92,7 @@ class GraphRecord:
             "nodes_after": self.nodes_after,
             "transforms": [t.to_dict() for t in self.transforms],
             "guard_changes": [g.to_dict() for g in self.guard_changes],
+            "module_swaps": [m.to_dict() for m in self.module_swaps],
             "handoff_seconds": round(self.handoff_seconds, 6),
             "xform_seconds": round(self.xform_seconds, 6),
         }
@@ -132,17 +134,18 @@ class Report:
                 rows += [("", "note", "", n) for n in t.notes]
             if len(rows) > 1:
                 lines += _table(rows)
-            lines += _guard_lines(g.guard_changes)
+            lines += _guard_lines("guards rewritten", g.guard_changes)
+            lines += _guard_lines("module types now guarded", g.module_swaps)
         return "\n".join(lines)
 
 
 GUARD_LINES = 4
 
 
-def _guard_lines(changes: list[GuardChange]) -> list[str]:
+def _guard_lines(title: str, changes: list[GuardChange] | list[ModuleSwap]) -> list[str]:
     if not changes:
         return []
-    lines = [f"  guards rewritten: {len(changes)}"]
+    lines = [f"  {title}: {len(changes)}"]
     lines += [f"    {change.describe()}" for change in changes[:GUARD_LINES]]
     if len(changes) > GUARD_LINES:
         lines.append(f"    ... and {len(changes) - GUARD_LINES} more (Report.to_dict() lists them all)")

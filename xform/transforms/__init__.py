@@ -1,5 +1,6 @@
 """Built-in transforms, one module each. Importing this package registers their spec names."""
 
 from xform.transforms.cast import Cast, LowPrecisionWeight
+from xform.transforms.quantize import RECIPES, Quantize, QuantizeUnsupported
 
-__all__ = ["Cast", "LowPrecisionWeight"]
+__all__ = ["Cast", "LowPrecisionWeight", "Quantize", "QuantizeUnsupported", "RECIPES"]
