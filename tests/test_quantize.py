@@ -1,0 +1,233 @@
+"""The `quantize` transform on CPU: every recipe that runs here, the refusals of those that do not,
+what the model holds afterwards, numerics (SQNR against the unquantized model), training, saving."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import xform
+from xform.transforms import RECIPES, Quantize, QuantizeUnsupported
+
+# recipe -> (handoff it is tested with on CPU, min output SQNR dB, min gradient SQNR dB)
+# Thresholds sit a few dB under what torch 2.13 / torchao 0.18 and torch 2.11 / torchao 0.17 measure.
+RUNS_ON_CPU = {
+    "float8-tensorwise": ("eager", 22, 18),
+    "float8-rowwise": ("eager", 22, 18),
+    "float8-rowwise-gw-hp": ("eager", 22, 18),
+    "mxfp8": ("inductor", 11, 8),  # torchao's emulated MXFP8 recipe; its eager path retraces (see below)
+    "float8-weight-only": ("eager", 24, None),
+    "mxfp8-inference": ("eager", 22, None),
+    "nvfp4-weight-only": ("eager", 15, None),
+}
+NOT_ON_CPU = {
+    "float8-blockwise": r"recipe 'float8-blockwise' needs an SM90\+ GPU \(H100/H200\) with Triton.*this is CPU\. "
+                        r"Here, use float8-rowwise\.",
+    "float8-dynamic": r"recipe 'float8-dynamic' needs a CUDA GPU of SM89 or newer .*this is CPU\. Here, use "
+                      r"float8-weight-only or nvfp4-weight-only\.",
+    "nvfp4": r"recipe 'nvfp4' needs an SM100\+ GPU \(Blackwell\) .*this is CPU\. Here, use nvfp4-weight-only or "
+             r"float8-weight-only\.",
+}
+
+
+def ffn(dim: int = 128, hidden: int = 256) -> nn.Module:
+    return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)).bfloat16()
+
+
+def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    reference, actual = reference.float(), actual.float()
+    return (20 * torch.log10(reference.norm() / (reference - actual).norm())).item()
+
+
+def _mxfp8_training_runs_here() -> bool:
+    try:
+        Quantize("mxfp8").check("cpu", handoff="inductor")
+    except QuantizeUnsupported:
+        return False
+    return True
+
+
+def cpu_recipes():
+    for name, (handoff, out_db, grad_db) in RUNS_ON_CPU.items():
+        marks = [pytest.mark.slow] if handoff == "inductor" else []
+        if name == "mxfp8":
+            marks.append(pytest.mark.skipif(not _mxfp8_training_runs_here(),
+                                            reason="torchao 0.17 refuses MXFP8 training on torch 2.11"))
+        yield pytest.param(name, handoff, out_db, grad_db, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("recipe, handoff, out_db, grad_db", cpu_recipes())
+def test_recipe_quantizes_the_model_with_its_numerics(recipe, handoff, out_db, grad_db, no_recompile):
+    model = ffn()
+    reference = copy.deepcopy(model).float()
+    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=grad_db is not None)
+    x_ref = x.detach().float().requires_grad_(grad_db is not None)
+    compiled = xform.compile(model, f"quantize:{recipe}", handoff=handoff)
+
+    out = compiled(x)
+    expected = reference(x_ref)
+
+    assert sqnr(expected, out) >= out_db
+    layer = model[0]
+    if RECIPES[recipe].swap_module is not None:
+        assert type(layer).__name__ == "Float8Linear" and type(layer.weight) is nn.Parameter
+    else:
+        assert type(layer.weight).__module__.startswith("torchao.") and isinstance(layer.weight, nn.Parameter)
+    if grad_db is not None:
+        out.float().square().sum().backward()
+        expected.square().sum().backward()
+        assert sqnr(x_ref.grad, x.grad) >= grad_db
+        assert sqnr(reference[0].weight.grad, layer.weight.grad) >= grad_db
+    with no_recompile():
+        compiled(x)
+    report = xform.report(model)
+    assert [c.target for c in report.changes("quantize") if c.kind == "layer"] == ["0", "2"]
+    assert len(report.graphs[0].guard_changes) + len(report.graphs[0].module_swaps) == 2
+
+
+@pytest.mark.parametrize("recipe, message", NOT_ON_CPU.items(), ids=list(NOT_ON_CPU))
+def test_recipes_the_cpu_cannot_run_say_what_they_need_and_what_runs_here(recipe, message):
+    model = ffn()
+    with pytest.raises(Exception, match=message):
+        xform.compile(model, f"quantize:{recipe}", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+    assert type(model[0].weight) is nn.Parameter  # refused before anything changed
+    with pytest.raises(QuantizeUnsupported, match=message):
+        Quantize(recipe).check("cpu")
+
+
+def test_emulated_paths_are_named_in_the_report():
+    model = ffn()
+    xform.compile(model, "quantize:float8-rowwise", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+    (note,) = xform.report(model).graphs[0].transforms[0].notes
+    assert note == ("float8-rowwise runs emulated here: torchao's emulated float8 matmul (float8 is computed in "
+                    "high precision)")
+    assert Quantize("float8-rowwise").check("cpu").emulated.startswith("torchao's emulated float8 matmul")
+
+
+def test_mxfp8_inference_with_inductor_on_cpu_is_refused_with_the_way_out():
+    with pytest.raises(QuantizeUnsupported, match=r"Inductor does not compile torchao's emulated MX path on CPU.*"
+                                                  r"Here, use handoff='eager'"):
+        Quantize("mxfp8-inference").check("cpu", handoff="inductor")
+
+
+@pytest.mark.parametrize("recipe, ratio", [("float8-weight-only", 1.9), ("nvfp4-weight-only", 3.4)])
+def test_parameter_bytes_drop(recipe, ratio):
+    from xform.linear_layers import tensor_bytes
+
+    model = nn.Sequential(nn.Linear(512, 1024, bias=False), nn.GELU(), nn.Linear(1024, 512, bias=False)).bfloat16()
+    before = sum(tensor_bytes(p) for p in model.parameters())
+    xform.compile(model, f"quantize:{recipe}", handoff="eager")(torch.randn(4, 512, dtype=torch.bfloat16))
+    after = sum(tensor_bytes(p) for p in model.parameters())
+    assert before / after >= ratio
+
+
+def test_layers_the_recipe_cannot_take_are_skipped_with_the_reason():
+    model = nn.Sequential(nn.Linear(128, 40), nn.Linear(40, 64)).bfloat16()
+    xform.compile(model, "quantize:nvfp4-weight-only", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+    skips = {s.target: s.reason for s in xform.report(model).skips("quantize")}
+    assert skips == {
+        "0": "nvfp4-weight-only needs in_features and out_features that are multiples of 16; this layer is 128 -> 40",
+        "1": "nvfp4-weight-only needs in_features and out_features that are multiples of 16; this layer is 40 -> 64",
+    }
+    assert type(model[0].weight) is nn.Parameter
+
+
+def test_mx_recipes_need_bf16_weights():
+    model = ffn().float()
+    xform.compile(model, "quantize:mxfp8-inference", handoff="eager")(torch.randn(4, 128))
+    (skip, _) = xform.report(model).skips("quantize")
+    assert skip.reason == ("mxfp8-inference takes bfloat16 weights, this one is float32; convert the model with "
+                           "model.bfloat16() first")
+
+
+def test_filter_limits_the_layers():
+    model = ffn()
+    xform.compile(model, Quantize("nvfp4-weight-only", filter=["2"]), handoff="eager")(
+        torch.randn(4, 128, dtype=torch.bfloat16))
+    assert type(model[0].weight) is nn.Parameter and type(model[2].weight).__name__ == "NVFP4Tensor"
+
+
+def test_training_recipe_steps_an_optimizer():
+    model = ffn()
+    compiled = xform.compile(model, "quantize:float8-rowwise", handoff="eager")
+    x, target = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
+    compiled(x)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(compiled(x).float(), target.float())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_module_swap_keeps_the_parameter_objects():
+    model = ffn()
+    weight = model[0].weight
+    xform.compile(model, "quantize:float8-tensorwise", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+    assert model[0].weight is weight  # an optimizer made before the first call still steps the right tensor
+    (swap, _) = xform.report(model).graphs[0].module_swaps
+    assert swap.describe() == "L['fn'].0: Linear -> Float8Linear (quantize)"
+
+
+def test_recompile_traces_the_quantized_model():
+    model = ffn()
+    compiled = xform.compile(model, "quantize:float8-rowwise", handoff="eager")
+    compiled(torch.randn(4, 128, dtype=torch.bfloat16))
+    out = compiled(torch.randn(2, 3, 128, dtype=torch.bfloat16))
+    graphs = xform.report(model).graphs
+    assert out.shape == (2, 3, 128) and len(graphs) == 2
+    assert any("is a Float8Linear" in n for n in graphs[1].transforms[0].notes)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-weight-only", "float8-weight-only"])
+def test_state_dict_saves_and_loads_into_a_fresh_quantized_model(recipe):
+    model = ffn()
+    xform.compile(model, f"quantize:{recipe}", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+
+    fresh = ffn()
+    compiled = xform.compile(fresh, f"quantize:{recipe}", handoff="eager")
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    compiled(x)
+    fresh.load_state_dict(state, assign=True)
+
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_quantize_after_cast_leaves_cast_layers_alone():
+    model = ffn().float()
+    xform.compile(model, "cast:bf16", "quantize:float8-weight-only", handoff="eager")(torch.randn(4, 128))
+    notes = xform.report(model).graphs[0].transforms[1].notes
+    assert len(notes) == 2 and "with a LowPrecisionWeight weight, not a plain Linear" in notes[0]
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match=r"transform 'quantize' needs a recipe, e.g. quantize:float8-rowwise; "
+                                         r"accepted: training: float8-tensorwise, "):
+        xform.Backend(["quantize"])
+    with pytest.raises(ValueError, match=r"unknown recipe 'int4'; accepted: training: .*; inference: float8-dynamic"):
+        xform.Backend(["quantize:int4"])
+
+
+@pytest.mark.slow
+def test_float8_training_through_inductor_matches_torchao_by_hand():
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = ffn()
+    by_hand = copy.deepcopy(model)
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    convert_to_float8_training(by_hand, config=__import__("dataclasses").replace(config, emulate=True))
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    ours = xform.compile(model, "quantize:float8-rowwise")(x)
+    theirs = torch.compile(by_hand)(x)
+    torch.testing.assert_close(ours, theirs)
