@@ -35,3 +35,30 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
     print("-|-".join("-" * w for w in widths))
     for row in cells:
         print(" | ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def cuda_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    """Median milliseconds of `fn()` on the GPU, by CUDA events, after warm-up."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_gib(fn) -> float:
+    """Peak GPU memory allocated while running `fn()` once, in GiB (everything live counts)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30

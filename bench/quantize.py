@@ -1,0 +1,173 @@
+"""Quantized Linear layers on the GPU: bf16 Inductor vs torchao by hand vs xform, per recipe.
+
+    python bench/quantize.py --model ffn --recipes all [--out DIR]
+    python bench/quantize.py --model block --recipes float8-tensorwise,float8-rowwise,float8-dynamic
+
+Models: a llama-style SwiGLU FFN (4096 -> 14336 -> 4096) or a full decoder block (dim 4096,
+32 heads, 8 KV heads, hidden 14336), bf16, 8192 tokens a step. Training recipes time a forward +
+backward step, inference recipes a forward (prefill) under no_grad. "by hand" is what a user
+writes today: torchao's `convert_to_float8_training` / `quantize_` on the model, then
+`torch.compile`. Each row: median step time (CUDA events), speed-up over bf16, peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_ms, peak_gib, print_table, write_result  # noqa: E402
+from models import DecoderLayer, LlamaConfig  # noqa: E402
+
+import xform  # noqa: E402
+from xform.linear_layers import tensor_bytes  # noqa: E402
+from xform.transforms import RECIPES, Quantize, QuantizeUnsupported  # noqa: E402
+
+TOKENS, DIM, HIDDEN = 8192, 4096, 14336
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One llama decoder layer with its rotary tables, taking [1, TOKENS, DIM]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = LlamaConfig(dim=DIM, heads=32, kv_heads=8, hidden=HIDDEN, max_seq=TOKENS)
+        self.layer = DecoderLayer(config)
+        head_dim = DIM // 32
+        freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(TOKENS).float(), freqs)
+        self.register_buffer("cos", angles.cos().bfloat16(), persistent=False)
+        self.register_buffer("sin", angles.sin().bfloat16(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, self.cos, self.sin)
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return (SwiGLU() if kind == "ffn" else Block()).cuda().bfloat16()
+
+
+def make_input(kind: str, training: bool) -> torch.Tensor:
+    shape = (TOKENS, DIM) if kind == "ffn" else (1, TOKENS, DIM)
+    return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=training)
+
+
+def by_hand(model: nn.Module, recipe: str) -> nn.Module:
+    """What a user writes with torchao directly, for the same recipe and config."""
+    config = Quantize(recipe).check("cuda").config
+    if RECIPES[recipe].swap_module is not None and recipe != "float8-blockwise":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, config=config)
+    else:
+        from torchao.quantization import quantize_
+
+        quantize_(model, config)
+    return torch.compile(model)
+
+
+def step(compiled, x: torch.Tensor, training: bool):
+    if training:
+        def run():
+            compiled(x).sum().backward()
+    else:
+        def run():
+            with torch.no_grad():
+                compiled(x)
+    return run
+
+
+def measure(kind: str, variant: str, recipe: str | None, training: bool) -> dict:
+    model = make_model(kind)
+    if recipe is None:
+        compiled = torch.compile(model)
+    elif variant == "torchao by hand":
+        compiled = by_hand(model, recipe)
+    else:
+        compiled = xform.compile(model, f"quantize:{recipe}")
+    x = make_input(kind, training)
+    run = step(compiled, x, training)
+    run()  # compile
+    ms = cuda_ms(run)
+    peak = peak_gib(run)
+    weights = sum(tensor_bytes(p) for p in model.parameters()) / 2**30
+    del compiled, model, x, run
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return {"model": kind, "recipe": recipe or "bf16", "mode": "train" if training else "infer",
+            "variant": variant, "ms": round(ms, 3), "peak_gib": round(peak, 2), "weights_gib": round(weights, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["ffn", "block"], default="ffn")
+    parser.add_argument("--recipes", default="all", help="comma-separated recipe names, or 'all'")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    recipes = list(RECIPES) if args.recipes == "all" else args.recipes.split(",")
+
+    rows, refused = [], {}
+    baselines = {}
+    for mode in ("train", "infer"):
+        wanted = [r for r in recipes if RECIPES[r].training == (mode == "train")]
+        runnable = []
+        for recipe in wanted:
+            try:
+                plan = Quantize(recipe).check("cuda")
+            except QuantizeUnsupported as error:
+                refused[recipe] = str(error)
+                continue
+            if plan.emulated:
+                refused[recipe] = f"emulated here ({plan.emulated}): not a speed recipe on this GPU"
+                continue
+            runnable.append(recipe)
+        if not runnable:
+            continue
+        baseline = measure(args.model, "bf16 inductor", None, training=mode == "train")
+        baselines[mode] = baseline
+        rows.append(baseline)
+        for recipe in runnable:
+            for variant in ("torchao by hand", "xform"):
+                try:
+                    row = measure(args.model, variant, recipe, training=mode == "train")
+                except Exception as error:  # a failing configuration is a finding, not a crash
+                    row = {"model": args.model, "recipe": recipe, "mode": mode, "variant": variant,
+                           "error": f"{type(error).__name__}: {str(error)[:300]}"}
+                rows.append(row)
+                print(row, flush=True)
+    for row in rows:
+        if "ms" in row:
+            row["speedup_vs_bf16"] = round(baselines[row["mode"]]["ms"] / row["ms"], 3)
+    for row in rows:
+        hand = next((r for r in rows if r["recipe"] == row["recipe"] and r["variant"] == "torchao by hand"), None)
+        if row["variant"] == "xform" and hand and "ms" in hand and "ms" in row:
+            row["xform_vs_by_hand"] = round(hand["ms"] / row["ms"], 3)
+    print_table(rows, ["model", "mode", "recipe", "variant", "ms", "speedup_vs_bf16", "xform_vs_by_hand",
+                       "peak_gib", "weights_gib", "error"])
+    for recipe, why in refused.items():
+        print(f"not run: {recipe}: {why}")
+    print("results:", write_result(f"quantize_{args.model}", rows, args.out, refused=refused))
+
+
+if __name__ == "__main__":
+    main()
