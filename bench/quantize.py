@@ -13,8 +13,8 @@ writes today: torchao's `convert_to_float8_training` / `quantize_` on the model,
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
+import statistics
 import sys
 from pathlib import Path
 
@@ -96,7 +96,8 @@ def step(compiled, x: torch.Tensor, training: bool):
     return run
 
 
-def measure(kind: str, variant: str, recipe: str | None, training: bool) -> dict:
+def prepare(kind: str, variant: str, recipe: str | None, training: bool) -> tuple[nn.Module, object]:
+    """A compiled step for one configuration, already run once (so compiled)."""
     model = make_model(kind)
     if recipe is None:
         compiled = torch.compile(model)
@@ -104,34 +105,55 @@ def measure(kind: str, variant: str, recipe: str | None, training: bool) -> dict
         compiled = by_hand(model, recipe)
     else:
         compiled = xform.compile(model, f"quantize:{recipe}")
-    x = make_input(kind, training)
-    run = step(compiled, x, training)
-    run()  # compile
-    ms = cuda_ms(run)
-    peak = peak_gib(run)
-    weights = sum(tensor_bytes(p) for p in model.parameters()) / 2**30
-    del compiled, model, x, run
+    run = step(compiled, make_input(kind, training), training)
+    run()
+    return model, run
+
+
+def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, rounds: int) -> list[dict]:
+    """Time the configurations in interleaved rounds (so drift hits all alike), then their peak memory."""
+    prepared = {}
+    for variant, recipe in configs:
+        try:
+            prepared[(variant, recipe)] = prepare(kind, variant, recipe, training)
+        except Exception as error:  # a failing configuration is a finding, not a crash
+            print(f"{variant} {recipe}: {type(error).__name__}: {error}", flush=True)
+            prepared[(variant, recipe)] = error
+    times: dict = {key: [] for key, value in prepared.items() if not isinstance(value, Exception)}
+    for _ in range(rounds):
+        for key in times:
+            times[key].append(cuda_ms(prepared[key][1], warmup=2, iters=10))
+    rows = []
+    for (variant, recipe), value in prepared.items():
+        row = {"model": kind, "recipe": recipe or "bf16", "mode": "train" if training else "infer", "variant": variant}
+        if isinstance(value, Exception):
+            row["error"] = f"{type(value).__name__}: {str(value)[:300]}"
+        else:
+            model, run = value
+            row.update(ms=round(statistics.median(times[(variant, recipe)]), 3), peak_gib=round(peak_gib(run), 2),
+                       weights_gib=round(sum(tensor_bytes(p) for p in model.parameters()) / 2**30, 3))
+        rows.append(row)
+        print(row, flush=True)
+    prepared.clear()
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return {"model": kind, "recipe": recipe or "bf16", "mode": "train" if training else "infer",
-            "variant": variant, "ms": round(ms, 3), "peak_gib": round(peak, 2), "weights_gib": round(weights, 3)}
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["ffn", "block"], default="ffn")
     parser.add_argument("--recipes", default="all", help="comma-separated recipe names, or 'all'")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     recipes = list(RECIPES) if args.recipes == "all" else args.recipes.split(",")
 
     rows, refused = [], {}
-    baselines = {}
     for mode in ("train", "infer"):
-        wanted = [r for r in recipes if RECIPES[r].training == (mode == "train")]
         runnable = []
-        for recipe in wanted:
+        for recipe in (r for r in recipes if RECIPES[r].training == (mode == "train")):
             try:
                 plan = Quantize(recipe).check("cuda")
             except QuantizeUnsupported as error:
@@ -143,18 +165,10 @@ def main() -> None:
             runnable.append(recipe)
         if not runnable:
             continue
-        baseline = measure(args.model, "bf16 inductor", None, training=mode == "train")
-        baselines[mode] = baseline
-        rows.append(baseline)
+        rows += measure(args.model, [("bf16 inductor", None)], mode == "train", args.rounds)
         for recipe in runnable:
-            for variant in ("torchao by hand", "xform"):
-                try:
-                    row = measure(args.model, variant, recipe, training=mode == "train")
-                except Exception as error:  # a failing configuration is a finding, not a crash
-                    row = {"model": args.model, "recipe": recipe, "mode": mode, "variant": variant,
-                           "error": f"{type(error).__name__}: {str(error)[:300]}"}
-                rows.append(row)
-                print(row, flush=True)
+            rows += measure(args.model, [("torchao by hand", recipe), ("xform", recipe)], mode == "train", args.rounds)
+    baselines = {r["mode"]: r for r in rows if r["recipe"] == "bf16"}
     for row in rows:
         if "ms" in row:
             row["speedup_vs_bf16"] = round(baselines[row["mode"]]["ms"] / row["ms"], 3)

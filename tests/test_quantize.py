@@ -60,7 +60,7 @@ def cpu_recipes():
         yield pytest.param(name, handoff, out_db, grad_db, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("recipe, handoff, out_db, grad_db", cpu_recipes())
+@pytest.mark.parametrize("recipe, handoff, out_db, grad_db", list(cpu_recipes()))
 def test_recipe_quantizes_the_model_with_its_numerics(recipe, handoff, out_db, grad_db, no_recompile):
     model = ffn()
     reference = copy.deepcopy(model).float()

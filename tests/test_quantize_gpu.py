@@ -24,7 +24,7 @@ def gpu_recipes():
         yield pytest.param(name, id=name, marks=[pytest.mark.skip(reason="emulated here")] if plan and plan.emulated else [])
 
 
-@pytest.mark.parametrize("recipe", gpu_recipes())
+@pytest.mark.parametrize("recipe", list(gpu_recipes()))
 def test_recipe_on_gpu_matches_torchao_by_hand_and_does_not_recompile(recipe, no_recompile):
     training = RECIPES[recipe].training
     model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.GELU(), nn.Linear(512, 256, bias=False)).cuda().bfloat16()

@@ -213,7 +213,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            _float8_training("rowwise", "float8-rowwise"), _to_float8_linear, instead="cast:bf16"),
     Recipe("float8-rowwise-gw-hp", True, "float8 rowwise training, weight gradient in high precision",
            _float8_training("rowwise_with_gw_hp", "float8-rowwise-gw-hp"), _to_float8_linear, instead="cast:bf16"),
-    Recipe("float8-blockwise", True, "DeepSeek-V3 style float8 training: 1x128 activation, 128x128 weight blocks",
+    Recipe("float8-blockwise", True, "DeepSeek-V3 style float8 training: 1x128 activation, 128x128 weight blocks "
+                                     "(tokens per step a multiple of 128)",
            _blockwise_plan, _to_blockwise_linear, multiple_of=128, bf16_weights=True, bias=False,
            instead="float8-rowwise"),
     Recipe("mxfp8", True, "MXFP8 training (32-element blocks, e8m0 scales)", _mxfp8_training_plan,
@@ -355,7 +356,7 @@ def _cached_plan(recipe: str, device: Device, handoff: str) -> Plan:
     probe = nn.Linear(128, 128, bias=spec.bias, device=torch.device(device.type), dtype=dtype)
     try:
         layer = spec.apply(probe, plan)
-        x = torch.randn(32, 128, device=probe.weight.device, dtype=dtype, requires_grad=spec.training)
+        x = torch.randn(128, 128, device=probe.weight.device, dtype=dtype, requires_grad=spec.training)
         out = layer(x)
         if spec.training:
             out.float().sum().backward()
