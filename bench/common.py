@@ -55,10 +55,13 @@ def cuda_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(times)
 
 
-def peak_gib(fn) -> float:
-    """Peak GPU memory allocated while running `fn()` once, in GiB (everything live counts)."""
+def step_peak_gib(fn) -> float:
+    """GPU memory `fn()` needs on top of what is already allocated (weights, grads, other models), in
+    GiB: its peak allocation minus the allocation before it. Comparable across configurations that
+    share a process."""
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
+    return (torch.cuda.max_memory_allocated() - before) / 2**30

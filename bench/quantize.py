@@ -7,7 +7,8 @@ Models: a llama-style SwiGLU FFN (4096 -> 14336 -> 4096) or a full decoder block
 32 heads, 8 KV heads, hidden 14336), bf16, 8192 tokens a step. Training recipes time a forward +
 backward step, inference recipes a forward (prefill) under no_grad. "by hand" is what a user
 writes today: torchao's `convert_to_float8_training` / `quantize_` on the model, then
-`torch.compile`. Each row: median step time (CUDA events), speed-up over bf16, peak memory.
+`torch.compile`. Each row: median step time (CUDA events, interleaved rounds), speed-up over bf16,
+the memory a step needs beyond what is allocated before it, and the weights' bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_ms, peak_gib, print_table, write_result  # noqa: E402
+from common import cuda_ms, print_table, step_peak_gib, write_result  # noqa: E402
 from models import DecoderLayer, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402
@@ -130,7 +131,7 @@ def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, ro
             row["error"] = f"{type(value).__name__}: {str(value)[:300]}"
         else:
             model, run = value
-            row.update(ms=round(statistics.median(times[(variant, recipe)]), 3), peak_gib=round(peak_gib(run), 2),
+            row.update(ms=round(statistics.median(times[(variant, recipe)]), 3), step_peak_gib=round(step_peak_gib(run), 2),
                        weights_gib=round(sum(tensor_bytes(p) for p in model.parameters()) / 2**30, 3))
         rows.append(row)
         print(row, flush=True)
@@ -168,6 +169,7 @@ def main() -> None:
         rows += measure(args.model, [("bf16 inductor", None)], mode == "train", args.rounds)
         for recipe in runnable:
             rows += measure(args.model, [("torchao by hand", recipe), ("xform", recipe)], mode == "train", args.rounds)
+            write_result(f"quantize_{args.model}", rows, args.out, refused=refused, partial=True)
     baselines = {r["mode"]: r for r in rows if r["recipe"] == "bf16"}
     for row in rows:
         if "ms" in row:
@@ -177,7 +179,7 @@ def main() -> None:
         if row["variant"] == "xform" and hand and "ms" in hand and "ms" in row:
             row["xform_vs_by_hand"] = round(hand["ms"] / row["ms"], 3)
     print_table(rows, ["model", "mode", "recipe", "variant", "ms", "speedup_vs_bf16", "xform_vs_by_hand",
-                       "peak_gib", "weights_gib", "error"])
+                       "step_peak_gib", "weights_gib", "error"])
     for recipe, why in refused.items():
         print(f"not run: {recipe}: {why}")
     print("results:", write_result(f"quantize_{args.model}", rows, args.out, refused=refused))
