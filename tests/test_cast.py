@@ -147,3 +147,13 @@ def test_a_second_instance_of_the_same_class_is_cast_too():
     out = compiled_second(x)
     assert second[0].weight.dtype == torch.bfloat16
     torch.testing.assert_close(out, second(x))
+
+
+def test_cast_leaves_layers_another_transform_quantized():
+    model = mlp(128)
+    xform.compile(model, xform.transforms.Quantize("float8-weight-only", filter=["0"]), "cast:bf16",
+                  handoff="eager")(torch.randn(2, 128))
+    (skip,) = xform.report(model).skips("cast")
+    assert skip.target == "0" and skip.reason == ("its weight is a Float8Tensor (another transform changed it); "
+                                                  "cast takes plain parameters")
+    assert type(model[2].weight) is LowPrecisionWeight

@@ -134,6 +134,9 @@ class Cast(Transform):
                        f"{dtype_name(before.dtype)} -> {dtype_name(self.dtype)}, {format_bytes(saved)} saved")
 
     def _refusal(self, param: GraphParameter) -> str | None:
+        if type(param.tensor) not in (nn.Parameter, LowPrecisionWeight):
+            return (f"its {param.name} is a {type(param.tensor).__name__} (another transform changed it); "
+                    f"cast takes plain parameters")
         if not param.tensor.is_floating_point():
             return f"its {param.name} is {param.tensor.dtype}, not floating point"
         if param.tensor.dtype == self.dtype and not isinstance(param.tensor, LowPrecisionWeight):
