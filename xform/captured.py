@@ -21,6 +21,16 @@ from xform.fx_rewrite import fake_like
 from xform.guards import GuardChange, GuardModel, TensorExpectation
 
 
+def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """The same module over a copy of its graph (nodes copied, their meta dicts shallow-copied)."""
+    graph = fx.Graph(owning_module=gm)
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    copy = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy.meta.update(getattr(gm, "meta", {}))
+    return copy
+
+
 @dataclass
 class GraphParameter:
     """A parameter the graph reads as an input, and where it lives in the model."""
@@ -43,14 +53,15 @@ class CapturedGraph:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], frame: DynamoFrame | None,
                  handoff: str = "inductor") -> None:
-        self.gm = gm
+        self.gm = _own_copy(gm)  # Dynamo keeps reading its graph after the backend returns: edit a copy
         self.handoff = handoff  # where the graph goes next: transforms may depend on what it can compile
         self.example_inputs = list(example_inputs)
         self.frame = frame
-        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self._sources: dict[str, Any] = {}
         self._locations: dict[str, ModuleAttribute] = {}
         self._live_modules: dict[str, nn.Module] = {}
+        self.constant_inputs: list[torch.Tensor] = []  # appended to every call by the pipeline
         self.parameters: list[GraphParameter] = []
         expectations = []
         for index, (node, value) in enumerate(zip(self.placeholders, self.example_inputs)):
@@ -141,6 +152,27 @@ class CapturedGraph:
                 held = getattr(new, other.name)
                 if held is not other.tensor:
                     self._adopt(other, held, by=by)
+
+    def add_constant_input(self, name: str, tensor: torch.Tensor) -> fx.Node:
+        """A tensor the transformed graph reads on every call (a BlockMask's indices, say), made a new
+        graph input that xform passes itself, after the inputs Dynamo passes.
+
+        Not a buffer of the graph module: AOTAutograd takes those for the model's parameters and
+        wants a Dynamo source for each. Returns the new placeholder.
+        """
+        g = self.gm.graph
+        with g.inserting_after(self.placeholders[-1] if self.placeholders else None):
+            node = g.placeholder(f"xform_{name}")
+        traced = next((p.meta["example_value"] for p in self.placeholders if "example_value" in p.meta), None)
+        node.meta["example_value"] = fake_like(traced, tensor) if traced is not None else tensor
+        self.placeholders.append(node)
+        self.example_inputs.append(tensor)
+        self.constant_inputs.append(tensor)
+        if self.frame is not None:
+            from torch._dynamo.source import ConstantSource
+
+            self.frame.register_replacement(ConstantSource(f"xform_{name}"), tensor)
+        return node
 
     def modules_replaced_by(self, transform: str) -> list[nn.Module]:
         """The modules `transform` put into the model in this graph (with `replace_module`)."""

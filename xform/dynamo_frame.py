@@ -61,7 +61,8 @@ class DynamoFrame:
         return eval(source.name, scope)  # noqa: S307 - source names are Dynamo's own expressions
 
     def register_replacement(self, source: Any, tensor: torch.Tensor) -> None:
-        """Tell AOTAutograd that `tensor` (a replacement parameter) has static shapes and lives at `source`.
+        """Tell AOTAutograd that `tensor` (a replacement parameter, or a constant input xform adds)
+        has static shapes and lives at `source`.
 
         AOTAutograd fakifies each real example input with the symbolic context Dynamo recorded for
         it; a tensor Dynamo never saw would get fresh symbolic sizes with no source, and any shape

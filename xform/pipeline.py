@@ -102,6 +102,8 @@ class Pipeline:
                 f"(XFORM_LOG=debug prints the transformed graph)."
             ) from error
         record.handoff_seconds = time.perf_counter() - start
+        if graph.constant_inputs:
+            compiled = _with_constants(compiled, tuple(graph.constant_inputs))
 
         for t in self._with("transform_guards"):
             with _timed(t, records[t.name], "transform_guards"):
@@ -127,6 +129,15 @@ class Pipeline:
                     gm.recompile()
 
         return hook
+
+
+def _with_constants(compiled: Callable[..., Any], constants: tuple[Any, ...]) -> Callable[..., Any]:
+    """The compiled graph, called with the inputs Dynamo passes plus xform's constant inputs."""
+
+    def call(*args: Any) -> Any:
+        return compiled(*args, *constants)
+
+    return call
 
 
 @contextmanager

@@ -19,7 +19,6 @@ _REGISTERED: dict[str, type[Transform]] = {}
 PLANNED = {
     "distribute": "issue #3 (data-parallel, FSDP and tensor-parallel)",
     "cudagraphs": "issue #5 (CUDA graphs on capture-safe regions)",
-    "flex-attention": "issue #7 (attention rewritten to flex_attention)",
 }
 
 

@@ -1,6 +1,7 @@
 """Built-in transforms, one module each. Importing this package registers their spec names."""
 
+from xform.transforms.attention import FlexAttention
 from xform.transforms.cast import Cast, LowPrecisionWeight
 from xform.transforms.quantize import RECIPES, Quantize, QuantizeUnsupported
 
-__all__ = ["Cast", "LowPrecisionWeight", "Quantize", "QuantizeUnsupported", "RECIPES"]
+__all__ = ["FlexAttention", "Cast", "LowPrecisionWeight", "Quantize", "QuantizeUnsupported", "RECIPES"]

@@ -1,0 +1,522 @@
+"""`FlexAttention`: attention in the forms people write becomes `flex_attention`.
+
+`FlexAttention(backend="auto"|"flash"|"triton")`, spec `flex-attention[:backend]`.
+
+What it changes, per graph (the model and its guards are untouched):
+- each `F.scaled_dot_product_attention` call (is_causal, boolean or additive `attn_mask`, `scale`,
+  `enable_gqa`), and each hand-written attention (`q @ k.transpose(-2, -1)`, scaled, with an
+  additive bias and/or a `masked_fill`/`where` mask, `softmax(-1)`, `@ v`) becomes one call of
+  flex_attention's operator;
+- the mask and bias become a `mask_mod` and a `score_mod`: the subgraph that built them is
+  re-evaluated per position (`xform.index_mods`), so causal, sliding-window, prefix-LM, document
+  (per-token ids) and ALiBi masks become their closed forms, and any other dense mask is read
+  per position;
+- a mask that depends on positions only gets its BlockMask built once, at compile time, for the
+  graph's shapes (its tensors become constant inputs of the compiled graph); one that reads data
+  (document ids) gets it built inside the graph, from that data, on every call.
+
+Backend: "flash" (FlashAttention-4 through CuTeDSL) where it is importable, the GPU is SM90+,
+q/k/v are fp16/bf16 with a head dim of 8..256, and no tensor the mods read needs a gradient;
+else "triton" on CUDA; on CPU, flex's CPU kernels (inference only, so attention that needs a
+gradient on CPU is left as written under Inductor; `handoff="eager"` runs flex's reference math,
+which has one). `backend="flash"` where Flash cannot run is an error saying what is missing.
+
+What it leaves as written, with the reason in the report: dropout > 0, q/k/v that are not
+[B, H, S, D], a hand-written attention with something between QK^T and the softmax that is not a
+scale, a bias or a mask.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from xform.captured import CapturedGraph
+from xform.fx_rewrite import example_value
+from xform.index_mods import IndexProgram, NotElementwise, dense_program, index_program
+from xform.registry import register_transform
+from xform.report import TransformRecord
+from xform.transform import Transform
+
+BACKENDS = ("auto", "flash", "triton")
+MASKED = -1e4  # a masked_fill value at or below this is a mask, not a bias
+
+
+@dataclass
+class Term:
+    """A mask (True: attend) or a bias (added to the scaled score, times `weight`).
+
+    `program` None is the causal mask (q >= kv); `negate` flips a mask (`masked_fill(cond, -inf)`
+    masks where `cond` holds)."""
+
+    program: IndexProgram | None
+    weight: float = 1.0
+    negate: bool = False
+
+    @property
+    def buffer_nodes(self) -> list[fx.Node]:
+        return self.program.buffer_nodes if self.program is not None else []
+
+    @property
+    def is_static(self) -> bool:
+        return self.program is None or self.program.is_static
+
+    @property
+    def positions_used(self) -> set[str]:
+        return {"q", "kv"} if self.program is None else self.program.positions_used
+
+    def allowed(self, b: Any, h: Any, q: Any, kv: Any, *buffers: torch.Tensor) -> torch.Tensor:
+        if self.program is None:
+            return q >= kv
+        value = self.program.evaluate(b, h, q, kv, *buffers).bool()
+        return ~value if self.negate else value
+
+    def bias(self, b: Any, h: Any, q: Any, kv: Any, *buffers: torch.Tensor) -> torch.Tensor:
+        value = self.program.evaluate(b, h, q, kv, *buffers)
+        return value * self.weight if self.weight != 1.0 else value
+
+
+@dataclass
+class AttentionSite:
+    """One attention the graph computes, and what flex_attention needs to compute the same."""
+
+    output: fx.Node
+    form: str  # "SDPA" or "hand-written"
+    q: fx.Node | None
+    k: fx.Node | None
+    v: fx.Node | None
+    scale: float | None = None  # None: flex's default 1/sqrt(head dim), as SDPA's
+    masks: list[Term] = field(default_factory=list)
+    biases: list[Term] = field(default_factory=list)
+    refusal: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.form} at node '{self.output.name}'"
+
+
+# -- matching ----------------------------------------------------------------------------------
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _is_call(node: Any, functions: tuple = (), methods: tuple = ()) -> bool:
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_function" and node.target in functions) or (node.op == "call_method" and node.target in methods))
+
+
+def match_sdpa(node: fx.Node) -> AttentionSite | None:
+    if not _is_call(node, (F.scaled_dot_product_attention,)):
+        return None
+    site = AttentionSite(node, "SDPA", node.args[0], node.args[1], node.args[2], scale=node.kwargs.get("scale"))
+    dropout = _arg(node, 4, "dropout_p", 0.0)
+    if dropout:
+        site.refusal = f"dropout_p={dropout}: flex_attention has no dropout; use dropout_p=0 at inference"
+        return site
+    if _arg(node, 5, "is_causal", False):
+        site.masks.append(Term(None))
+    mask = _arg(node, 3, "attn_mask")
+    if isinstance(mask, fx.Node):
+        _add_mask_or_bias(site, mask, weight=1.0)
+    return site
+
+
+def _add_mask_or_bias(site: AttentionSite, node: fx.Node, weight: float) -> None:
+    """A boolean `node` is a mask; a float one a bias, split into its mask part when it is built
+    as `x.masked_fill(cond, -inf)` or `where(cond, x, -inf)`."""
+    if example_value(node).dtype == torch.bool:
+        site.masks.append(Term(_program(node)))
+        return
+    split = _masking_fill(node)
+    if split is not None:
+        kept, cond, attend_when = split
+        site.masks.append(Term(_program(cond), negate=not attend_when))
+        node = kept
+    site.biases.append(Term(_program(node), weight))
+
+
+def _masking_fill(node: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
+    """(value, condition, attend-when-condition) for `value.masked_fill(cond, -inf)` or
+    `where(cond, value, -inf)`; None for anything else."""
+    if _is_call(node, (torch.masked_fill,), ("masked_fill",)):
+        value, cond, fill = node.args[0], node.args[1], node.args[2]
+        if isinstance(fill, (int, float)) and fill <= MASKED and isinstance(cond, fx.Node):
+            return value, cond, False
+    if _is_call(node, (torch.where,)) and len(node.args) == 3:
+        cond, value, fill = node.args
+        if isinstance(fill, (int, float)) and fill <= MASKED and isinstance(cond, fx.Node):
+            return value, cond, True
+    return None
+
+
+def _program(node: fx.Node) -> IndexProgram:
+    try:
+        return index_program(node)
+    except NotElementwise:
+        return dense_program(node)
+
+
+_MATMUL = (operator.matmul, torch.matmul)
+_SOFTMAX = (F.softmax, torch.softmax)
+_CASTS = ("to", "float", "type_as", "half", "bfloat16")
+
+
+def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
+    """`softmax(scale * q @ k^T + bias, masked) @ v`, from its softmax node; None if it is not one."""
+    if not _is_call(softmax, _SOFTMAX, ("softmax",)) or _arg(softmax, 1, "dim", None) not in (-1, 3):
+        return None
+    probabilities = softmax
+    after = _single_user_through_casts(softmax)
+    if after is not None and _is_call(after, (F.dropout,), ("dropout",)):
+        p = _arg(after, 1, "p", 0.5)
+        if _arg(after, 2, "training", True) and p:
+            return AttentionSite(after, "hand-written", None, None, None,
+                                 refusal=f"dropout p={p} on the attention weights: flex_attention has no dropout")
+        probabilities, after = after, _single_user_through_casts(after)
+    if (after is None or not _is_call(after, _MATMUL, ("matmul",))
+            or _through_casts_up(after.args[0]) is not probabilities):
+        return None
+    v = after.args[1]
+    steps: list[tuple[str, Any]] = []  # from the softmax up to QK^T
+    node = _through_casts_up(softmax.args[0])
+    while True:
+        if _is_call(node, _MATMUL, ("matmul",)):
+            break
+        split = _masking_fill(node)
+        if split is not None:
+            steps.append(("mask", split))
+            node = _through_casts_up(split[0])
+        elif _is_call(node, (operator.mul, torch.mul), ("mul",)) and _scalar_operand(node) is not None:
+            steps.append(("scale", _scalar_operand(node)[0]))
+            node = _through_casts_up(_scalar_operand(node)[1])
+        elif _is_call(node, (operator.truediv, torch.div), ("div",)) and _is_number(node.args[1]):
+            steps.append(("scale", 1.0 / node.args[1]))
+            node = _through_casts_up(node.args[0])
+        elif _is_call(node, (operator.add, torch.add), ("add",)) and all(isinstance(a, fx.Node) for a in node.args[:2]):
+            scores, bias = _scores_and_bias(node)
+            steps.append(("bias", bias))
+            node = _through_casts_up(scores)
+        else:
+            site = AttentionSite(after, "hand-written", None, None, v)
+            site.refusal = (f"node '{getattr(node, 'name', node)}' ({_op(node)}) between QK^T and the softmax is not a "
+                            f"scale, an additive bias or a -inf mask")
+            return site
+    q, kt = node.args[0], node.args[1]
+    k = _untransposed(kt)
+    if k is None:
+        return None
+    scale_before_qk = 1.0
+    if _is_call(q, (operator.mul, torch.mul), ("mul",)) and _scalar_operand(q) is not None:
+        scale_before_qk, q = _scalar_operand(q)
+    site = AttentionSite(after, "hand-written", q, k, v)
+    _fold_steps(site, list(reversed(steps)), scale_before_qk)
+    return site
+
+
+def _fold_steps(site: AttentionSite, steps: list[tuple[str, Any]], scale: float) -> None:
+    """Turn the ops from QK^T to the softmax, in order, into flex's scale, biases and masks: a bias
+    added before a later scale is scaled with it, so score_mod can add it to the scaled score."""
+    pending: list[tuple[fx.Node, float]] = []
+    for kind, value in steps:
+        if kind == "scale":
+            scale *= value
+            pending = [(bias, weight * value) for bias, weight in pending]
+        elif kind == "bias":
+            pending.append((value, 1.0))
+        else:
+            kept, cond, attend_when = value
+            site.masks.append(Term(_program(cond), negate=not attend_when))
+    site.scale = scale
+    for bias, weight in pending:
+        _add_mask_or_bias(site, bias, weight)
+
+
+def _scores_and_bias(add: fx.Node) -> tuple[fx.Node, fx.Node]:
+    a, b = add.args[0], add.args[1]
+    return (a, b) if _reaches_matmul(a) else (b, a)
+
+
+def _reaches_matmul(node: fx.Node, depth: int = 12) -> bool:
+    """Whether a QK^T matmul (a matmul by a transposed tensor) lies among `node`'s near ancestors."""
+    frontier, seen = [node], set()
+    for _ in range(depth):
+        frontier = [n for n in frontier if isinstance(n, fx.Node) and n not in seen]
+        if not frontier:
+            return False
+        if any(_is_call(n, _MATMUL, ("matmul",)) and _untransposed(n.args[1]) is not None for n in frontier):
+            return True
+        seen.update(frontier)
+        frontier = [i for n in frontier for i in n.all_input_nodes]
+    return False
+
+
+def _scalar_operand(node: fx.Node) -> tuple[float, fx.Node] | None:
+    a, b = node.args[0], node.args[1]
+    if _is_number(a) and isinstance(b, fx.Node):
+        return float(a), b
+    if _is_number(b) and isinstance(a, fx.Node):
+        return float(b), a
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _untransposed(kt: Any) -> fx.Node | None:
+    """k, for kt = k.transpose(-2, -1) (or .mT, or the permute swapping the last two dims)."""
+    if _is_call(kt, (torch.transpose,), ("transpose",)):
+        dims = {d % 4 for d in kt.args[1:3]}
+        return kt.args[0] if dims == {2, 3} else None
+    if _is_call(kt, (), ("permute",)):
+        dims = kt.args[1:] if not isinstance(kt.args[1], (list, tuple)) else kt.args[1]
+        return kt.args[0] if tuple(dims) == (0, 1, 3, 2) else None
+    if isinstance(kt, fx.Node) and kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT":
+        return kt.args[0]
+    return None
+
+
+def _through_casts_up(node: Any) -> Any:
+    while _is_call(node, (), _CASTS):
+        node = node.args[0]
+    return node
+
+
+def _single_user_through_casts(node: fx.Node) -> fx.Node | None:
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not _is_call(user, (), _CASTS):
+            return user
+        node = user
+    return None
+
+
+def _op(node: Any) -> str:
+    if not isinstance(node, fx.Node):
+        return type(node).__name__
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+# -- what a mask is, for the report ------------------------------------------------------------
+
+def describe_mask(site: AttentionSite, q_len: int, kv_len: int) -> str:
+    """'causal', 'sliding window 1024', 'prefix-LM 64', 'document', 'ALiBi-style bias', ... ."""
+    parts = []
+    static = [t for t in site.masks if t.is_static]
+    if static:
+        parts.append(_static_mask_name(static, q_len, kv_len))
+    if any(not t.is_static for t in site.masks):
+        parts.append("document (per-token ids)" if any(t.program.reads_ids() for t in site.masks if t.program)
+                     else "mask read from a tensor")
+    for term in site.biases:
+        program = term.program
+        per_head = any(labels == ("h",) for _, labels in program.buffer_reads())
+        parts.append("ALiBi-style per-head bias" if per_head and {"q", "kv"} <= program.positions_used
+                     else "additive bias")
+    return " + ".join(p for p in parts if p) or "no mask"
+
+
+def _static_mask_name(terms: list[Term], q_len: int, kv_len: int) -> str:
+    """Name a position-only mask by evaluating it on a few full rows."""
+    rows = torch.tensor(sorted({0, 1, q_len // 2, q_len - 1}))[:, None]
+    kv = torch.arange(kv_len)[None, :]
+    zero = torch.zeros((), dtype=torch.long)
+    allowed = _all_allowed(terms, zero, zero, rows, kv).expand(rows.shape[0], kv_len)
+    causal = (kv <= rows).expand_as(allowed)
+    if bool(allowed.all()):
+        return ""
+    if torch.equal(allowed, causal):
+        return "causal"
+    width = int(allowed[-1].sum())
+    if torch.equal(allowed, causal & (rows - kv < width)):
+        return f"sliding window {width}"
+    prefix = int(allowed[0].sum())
+    if torch.equal(allowed, causal | (kv < prefix)):
+        return f"prefix-LM {prefix}"
+    return "custom mask"
+
+
+def _all_allowed(terms: list[Term], b: Any, h: Any, q: Any, kv: Any, *buffers: torch.Tensor) -> torch.Tensor:
+    """The AND of the masks (True where all attend), each reading its slice of `buffers`."""
+    allowed = q >= 0
+    for term, own in _split(terms, buffers):
+        allowed = allowed & term.allowed(b, h, q, kv, *own)
+    return allowed
+
+
+def _split(terms: list[Term], buffers: tuple) -> list[tuple[Term, tuple]]:
+    """Pair each term with its slice of the flat buffer list."""
+    pairs, start = [], 0
+    for term in terms:
+        count = len(term.buffer_nodes)
+        pairs.append((term, tuple(buffers[start:start + count])))
+        start += count
+    return pairs
+
+
+# -- the flex_attention call -------------------------------------------------------------------
+
+class FlexCall:
+    """Graph call target: `flex_attention(q, k, v)` with the site's mods, block mask and kernel options.
+
+    Takes (q, k, v, *block_mask_tensors, *mask_buffers, *bias_buffers) so that every tensor it
+    reads is a graph value, as AOTAutograd needs; calls flex_attention's operator directly (the
+    frontend would try to compile itself, which it cannot from inside a compile).
+    """
+
+    def __init__(self, site: AttentionSite, block_mask: Any, sizes: tuple[int | None, ...],
+                 kernel_options: dict[str, Any]) -> None:
+        self.masks, self.biases, self.scale = site.masks, site.biases, site.scale
+        self.kernel_options = kernel_options
+        self.sizes = sizes  # (B or None, H or None, Q, KV) of a block mask built per call
+        self.block_template = block_mask.as_tuple() if block_mask is not None else None
+        self.__name__ = "flex_attention"
+
+    def block_mask_tensors(self) -> list[torch.Tensor]:
+        return [x for x in self.block_template or () if isinstance(x, torch.Tensor)]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import _apply_kernel_options, create_block_mask
+
+        count = len(self.block_mask_tensors())
+        block_tensors, rest = iter(tensors[:count]), tensors[count:]
+        mask_count = sum(len(t.buffer_nodes) for t in self.masks)
+        mask_buffers, bias_buffers = tuple(rest[:mask_count]), tuple(rest[mask_count:])
+
+        def mask_mod(b, h, q_idx, kv_idx, *buffers):
+            return _all_allowed(self.masks, b, h, q_idx, kv_idx, *buffers)
+
+        def score_mod(score, b, h, q_idx, kv_idx, *buffers):
+            for term, own in _split(self.biases, buffers):
+                score = score + term.bias(b, h, q_idx, kv_idx, *own)
+            return score
+
+        if self.block_template is not None:
+            block = tuple(next(block_tensors) if isinstance(x, torch.Tensor) else x for x in self.block_template)
+        else:  # the mask reads data: build its block mask here, from that data
+            block = create_block_mask(lambda b, h, qi, ki: mask_mod(b, h, qi, ki, *mask_buffers),
+                                      *self.sizes, device=q.device).as_tuple()
+        options = _apply_kernel_options(q, k, v, False, dict(self.kernel_options))
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out, *_ = torch.ops.higher_order.flex_attention(
+            q, k, v, score_mod, block[:-1] + (mask_mod,), scale, options, bias_buffers, mask_buffers)
+        return out
+
+
+# -- the transform -----------------------------------------------------------------------------
+
+@register_transform
+class FlexAttention(Transform):
+    """SDPA and hand-written attention rewritten to flex_attention (`flex-attention[:backend]`)."""
+
+    name = "flex-attention"
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"xform: transform 'flex-attention': unknown backend {backend!r}; accepted: "
+                             f"{', '.join(BACKENDS)}")
+        self.backend = backend
+
+    @classmethod
+    def from_spec(cls, argument: str | None) -> FlexAttention:
+        return cls(argument or "auto")
+
+    def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
+        sites = []
+        for node in list(graph.gm.graph.nodes):
+            site = match_sdpa(node) or match_handwritten(node)
+            if site is not None:
+                sites.append(site)
+        for site in sites:
+            reason = site.refusal or _shape_refusal(site) or self._device_refusal(site, graph)
+            if reason is not None:
+                record.skipped(site.where, reason)
+                continue
+            backend = self._backend_for(site)
+            self._rewrite(graph, site, backend, record)
+        if sites:
+            graph.gm.graph.eliminate_dead_code()
+
+    def _device_refusal(self, site: AttentionSite, graph: CapturedGraph) -> str | None:
+        q = example_value(site.q)
+        if q.device.type == "cpu" and graph.handoff == "inductor" and any(
+                example_value(n).requires_grad for n in (site.q, site.k, site.v)):
+            return ("it needs a gradient, and flex_attention has no CPU backward (torch: 'FlexAttention does not "
+                    "support backward on CPU'); left as written. On CPU the rewrite runs for inference "
+                    "(torch.no_grad), or with handoff='eager' (flex's reference math)")
+        return None
+
+    def _backend_for(self, site: AttentionSite) -> str:
+        q = example_value(site.q)
+        if q.device.type != "cuda":
+            if self.backend == "flash":
+                raise ValueError(f"xform: transform 'flex-attention': backend='flash' needs a CUDA GPU; "
+                                 f"{site.where} runs on {q.device.type}")
+            return "cpu"
+        missing = _flash_missing(site)
+        if self.backend == "flash" and missing:
+            raise ValueError(f"xform: transform 'flex-attention': backend='flash' cannot run {site.where}: {missing}. "
+                             f"Use backend='auto' (Flash where it runs, else Triton) or 'triton'")
+        return "flash" if self.backend in ("auto", "flash") and not missing else "triton"
+
+    def _rewrite(self, graph: CapturedGraph, site: AttentionSite, backend: str, record: TransformRecord) -> None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q, k = example_value(site.q), example_value(site.k)
+        batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        used = set().union(*(t.positions_used for t in site.masks)) if site.masks else set()
+        sizes = (batch if "b" in used else None, heads if "h" in used else None, q_len, kv_len)
+        options = {"BACKEND": "FLASH"} if backend == "flash" else {}
+        block_mask = None
+        if all(t.is_static for t in site.masks):
+            block_mask = create_block_mask(lambda b, h, qi, ki: _all_allowed(site.masks, b, h, qi, ki),
+                                           *sizes, device=q.device)
+        call = FlexCall(site, block_mask, sizes, options)
+        g = graph.gm.graph
+        constants = [graph.add_constant_input(f"block_mask_{site.output.name}_{i}", t)
+                     for i, t in enumerate(call.block_mask_tensors())]
+        buffers = [n for t in site.masks + site.biases for n in t.buffer_nodes]
+        with g.inserting_before(site.output):
+            node = g.call_function(call, (site.q, site.k, site.v, *constants, *buffers))
+        node.meta["example_value"] = site.output.meta.get("example_value")
+        site.output.replace_all_uses_with(node)
+        g.erase_node(site.output)
+        built = "built once" if block_mask is not None else "built per call from the data it reads"
+        record.changed("attention", site.where,
+                       f"-> flex_attention ({describe_mask(site, q_len, kv_len)}; {backend}; block mask {built})")
+
+
+def _shape_refusal(site: AttentionSite) -> str | None:
+    shapes = [tuple(example_value(n).shape) for n in (site.q, site.k, site.v)]
+    if any(len(s) != 4 for s in shapes):
+        return f"q/k/v have shapes {shapes}; flex_attention takes [batch, heads, seq, head_dim]"
+    return None
+
+
+def _flash_missing(site: AttentionSite) -> str | None:
+    """Why FlashAttention-4 cannot run this site here, or None if it can."""
+    q = example_value(site.q)
+    try:
+        from torch._inductor.kernel.flex.flex_flash_attention import ensure_flash_available
+
+        available = ensure_flash_available()
+    except ImportError:
+        available = False
+    if not available:
+        return "FlashAttention-4 is not importable (pip install flash-attn-4 and nvidia-cutlass-dsl)"
+    if torch.cuda.get_device_capability(q.device) < (9, 0):
+        return f"it needs an SM90+ GPU, this is SM{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16/bf16 q/k/v, these are {q.dtype}"
+    if not 8 <= q.shape[-1] <= 256:
+        return f"it takes head dims 8 to 256, this is {q.shape[-1]}"
+    if any(example_value(n).requires_grad for t in site.biases for n in t.buffer_nodes):
+        return "its backward takes no gradient for tensors a score_mod reads (a learned bias)"
+    return None
