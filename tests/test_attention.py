@@ -1,0 +1,241 @@
+"""The `flex-attention` transform on CPU: every pattern, forward and gradients against the model as
+written (handoff="eager" runs flex's reference math, which has a CPU backward), Inductor's CPU
+kernels for inference, the refusals and their reasons."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import xform
+from xform.transforms import FlexAttention
+from models import TransformerBlock
+
+B, H, S, D = 2, 4, 64, 16
+KV_HEADS = 2
+
+
+def _positions():
+    i = torch.arange(S)
+    return i[:, None], i[None, :]
+
+
+def sdpa_causal(q, k, v, extra):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_sliding_window(q, k, v, extra):
+    qi, ki = _positions()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(qi >= ki) & (qi - ki < 16))
+
+
+def sdpa_alibi_bias(q, k, v, extra):
+    qi, ki = _positions()
+    bias = extra["slopes"][:, None, None] * (ki - qi)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(ki > qi, float("-inf")))
+
+
+def sdpa_dense_mask(q, k, v, extra):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=extra["dense"])
+
+
+def sdpa_scale_gqa(q, k, v, extra):
+    return F.scaled_dot_product_attention(q, k[:, :KV_HEADS], v[:, :KV_HEADS], is_causal=True, scale=0.3,
+                                          enable_gqa=True)
+
+
+def hand_causal_tril(q, k, v, extra):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+    keep = torch.ones(S, S, dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def hand_prefix_lm_where(q, k, v, extra):
+    qi, ki = _positions()
+    scores = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    scores = torch.where((ki < 8) | (qi >= ki), scores, float("-inf"))
+    return F.softmax(scores.float(), dim=-1).type_as(q) @ v
+
+
+def hand_document(q, k, v, extra):
+    ids = extra["ids"]
+    scores = (q * D ** -0.5) @ k.transpose(-2, -1)
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    qi, ki = _positions()
+    return scores.masked_fill(~(same & (qi >= ki)), float("-inf")).softmax(-1) @ v
+
+
+def hand_alibi(q, k, v, extra):
+    qi, ki = _positions()
+    scores = q @ k.transpose(-2, -1) + extra["slopes"][:, None, None] * (ki - qi)
+    scores = scores / math.sqrt(D)
+    return torch.softmax(scores.masked_fill(ki > qi, -1e9), dim=-1) @ v
+
+
+PATTERNS = {
+    sdpa_causal: "SDPA -> flex_attention (causal",
+    sdpa_sliding_window: "SDPA -> flex_attention (sliding window 16",
+    sdpa_alibi_bias: "SDPA -> flex_attention (causal + ALiBi-style per-head bias",
+    sdpa_dense_mask: "SDPA -> flex_attention (mask read from a tensor",
+    sdpa_scale_gqa: "SDPA -> flex_attention (causal",
+    hand_causal_tril: "hand-written -> flex_attention (causal",
+    hand_prefix_lm_where: "hand-written -> flex_attention (prefix-LM 8",
+    hand_document: "hand-written -> flex_attention (document (per-token ids)",
+    hand_alibi: "hand-written -> flex_attention (causal + ALiBi-style per-head bias",
+}
+
+
+def inputs(requires_grad: bool):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, requires_grad=requires_grad) for _ in range(3))
+    extra = {
+        "slopes": torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)]),
+        "dense": torch.rand(B, 1, S, S) > 0.5,
+        "ids": torch.randint(0, 3, (B, S)).sort(-1).values,
+    }
+    extra["dense"][..., 0] = True  # no fully masked row: SDPA gives NaN there, flex gives 0
+    return q, k, v, extra
+
+
+def changes(fn) -> list[str]:
+    return [f"{c.target.split(' at ')[0]} {c.detail}" for c in xform.report(fn).changes("flex-attention")]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.__name__ for p in PATTERNS])
+def test_pattern_matches_the_model_as_written_forward_and_backward(pattern):
+    q, k, v, extra = inputs(requires_grad=True)
+    compiled = xform.compile(pattern, "flex-attention", handoff="eager")
+
+    out = compiled(q, k, v, extra)
+    expected = pattern(q, k, v, extra)
+
+    (change,) = changes(pattern)
+    assert change.startswith(PATTERNS[pattern])
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for name, got, want in zip("qkv", grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"gradient of {name}")
+
+
+def _flex_cpu_reads_data_tensors() -> bool:
+    return torch.__version__ >= "2.13"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", [
+    sdpa_causal, sdpa_sliding_window, hand_alibi,
+    pytest.param(hand_document, marks=pytest.mark.skipif(
+        not _flex_cpu_reads_data_tensors(),
+        reason="torch 2.11's CPU flex kernel cannot lower a mask_mod that reads a data tensor (NoValidChoicesError)")),
+], ids=lambda p: p.__name__)
+def test_inductor_cpu_kernels_for_inference(pattern):
+    q, k, v, extra = inputs(requires_grad=False)
+    with torch.no_grad():
+        out = xform.compile(pattern, "flex-attention")(q, k, v, extra)
+        expected = pattern(q, k, v, extra)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert changes(pattern)[0].endswith("cpu; block mask built once)") or pattern is hand_document
+
+
+def test_static_block_masks_are_built_once_and_data_masks_per_call(monkeypatch):
+    import torch.nn.attention.flex_attention as flex
+
+    built = []
+    original = flex.create_block_mask
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: built.append(1) or original(*a, **kw))
+    q, k, v, extra = inputs(requires_grad=False)
+    static = xform.compile(sdpa_causal, "flex-attention", handoff="eager")
+    data = xform.compile(hand_document, "flex-attention", handoff="eager")
+
+    static(q, k, v, extra)
+    after_compile = len(built)
+    for _ in range(3):
+        static(q, k, v, extra)
+    assert len(built) == after_compile == 1  # at compile time only
+    data(q, k, v, extra)
+    data(q, k, v, extra)
+    assert len(built) == after_compile + 2  # the document mask reads the ids of each call
+    assert changes(hand_document)[0].endswith("block mask built per call from the data it reads)")
+
+
+def test_a_transformer_block_gets_flex_attention():
+    model = TransformerBlock()
+    x = torch.randn(2, 16, 32)
+    out = xform.compile(model, "flex-attention", handoff="eager")(x)
+    torch.testing.assert_close(out, model(x), atol=2e-5, rtol=2e-5)
+    assert changes(model) == ["SDPA -> flex_attention (causal; cpu; block mask built once)"]
+
+
+def test_sdpa_with_dropout_is_left_with_the_reason():
+    def dropped(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    q, k, v, _ = inputs(requires_grad=False)
+    xform.compile(dropped, "flex-attention", handoff="eager")(q, k, v)
+    (skip,) = xform.report(dropped).skips("flex-attention")
+    assert skip.target.startswith("SDPA at node") and skip.reason.startswith("dropout_p=0.1: flex_attention has no dropout")
+
+
+def test_hand_written_attention_with_dropout_in_training_is_left():
+    def dropped(q, k, v):
+        return F.dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1), p=0.2, training=True) @ v
+
+    q, k, v, _ = inputs(requires_grad=False)
+    xform.compile(dropped, "flex-attention", handoff="eager")(q, k, v)
+    (skip,) = xform.report(dropped).skips("flex-attention")
+    assert skip.reason == "dropout p=0.2 on the attention weights: flex_attention has no dropout"
+
+
+def test_an_unknown_op_before_the_softmax_is_named():
+    def odd(q, k, v):
+        return torch.softmax(torch.tanh(q @ k.transpose(-2, -1)), dim=-1) @ v
+
+    q, k, v, _ = inputs(requires_grad=False)
+    out = xform.compile(odd, "flex-attention", handoff="eager")(q, k, v)
+    (skip,) = xform.report(odd).skips("flex-attention")
+    assert skip.reason.startswith("node 'tanh' (tanh) between QK^T and the softmax is not a scale")
+    torch.testing.assert_close(out, odd(q, k, v))
+
+
+def test_three_dimensional_attention_is_left():
+    def flat(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    x = torch.randn(4, S, D)
+    xform.compile(flat, "flex-attention", handoff="eager")(x, x, x)
+    (skip,) = xform.report(flat).skips("flex-attention")
+    assert skip.reason.startswith("q/k/v have shapes [(4, 64, 16)")
+
+
+def test_cpu_training_under_inductor_is_left_with_the_reason():
+    q, k, v, extra = inputs(requires_grad=True)
+    out = xform.compile(sdpa_causal, "flex-attention")(q, k, v, extra)
+    (skip,) = xform.report(sdpa_causal).skips("flex-attention")
+    assert "flex_attention has no CPU backward" in skip.reason and "handoff='eager'" in skip.reason
+    out.sum().backward()
+
+
+def test_backend_option():
+    assert FlexAttention.from_spec("triton").backend == "triton"
+    with pytest.raises(ValueError, match=r"transform 'flex-attention': unknown backend 'cudnn'; accepted: auto, "
+                                         r"flash, triton"):
+        xform.Backend(["flex-attention:cudnn"])
+
+
+def test_flash_on_cpu_is_a_clear_error():
+    q, k, v, extra = inputs(requires_grad=False)
+    with pytest.raises(Exception, match=r"backend='flash' needs a CUDA GPU; SDPA at node '.*' runs on cpu"):
+        xform.compile(sdpa_causal, FlexAttention("flash"), handoff="eager")(q, k, v, extra)
+
+
+def test_graphs_without_attention_are_untouched():
+    def mlp(x):
+        return torch.softmax(x @ x.transpose(-2, -1), dim=-1).sum(-1)  # a softmax, but no @ v after it
+
+    x = torch.randn(2, 8, 8)
+    xform.compile(mlp, "flex-attention", handoff="eager")(x)
+    assert xform.report(mlp).changes("flex-attention") == [] and xform.report(mlp).skips("flex-attention") == []
