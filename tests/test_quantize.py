@@ -233,3 +233,26 @@ def test_float8_training_through_inductor_matches_torchao_by_hand():
     ours = xform.compile(model, "quantize:float8-rowwise")(x)
     theirs = torch.compile(by_hand)(x)
     torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("recipe", ["float8-rowwise", "nvfp4-weight-only"])
+def test_composes_with_flex_attention(recipe):
+    from models import TransformerBlock
+
+    model = TransformerBlock(dim=64, heads=4).bfloat16()
+    reference = copy.deepcopy(model).float()
+    training = RECIPES[recipe].training
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=training)
+    x_ref = x.detach().float().requires_grad_(training)
+
+    out = xform.compile(model, f"quantize:{recipe}", "flex-attention", handoff="eager")(x)
+    expected = reference(x_ref)
+
+    report = xform.report(model)
+    assert len(report.changes("flex-attention")) == 1
+    assert [c.target for c in report.changes("quantize") if c.kind == "layer"] == ["qkv", "proj", "up", "down"]
+    assert sqnr(expected, out) >= RUNS_ON_CPU[recipe][1]
+    if training:
+        out.float().square().sum().backward()
+        expected.square().sum().backward()
+        assert sqnr(x_ref.grad, x.grad) >= RUNS_ON_CPU[recipe][2]
