@@ -109,3 +109,14 @@ def test_records_of_two_models_stay_apart():
     xform.compile(first, "cast:bf16", handoff="eager")(torch.randn(2, 16))
     xform.compile(second, handoff="eager")(torch.randn(2, 16))
     assert xform.report(first).changes("cast") and not xform.report(second).changes("cast")
+
+
+def test_report_of_a_module_without_parameters():
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Attend()
+    q = torch.randn(1, 2, 8, 4)
+    xform.compile(model, "flex-attention", handoff="eager")(q, q, q)
+    assert len(xform.report(model).changes("flex-attention")) == 1

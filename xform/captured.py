@@ -71,6 +71,8 @@ class CapturedGraph:
             name = source.name
             self._sources[name] = source
             location = module_attribute(source)
+            if location is not None:
+                self._locations[name] = location
             role = "parameter" if isinstance(value, nn.Parameter) else ("buffer" if location else "input")
             expectations.append(TensorExpectation.of(name, role, value))
             if role == "parameter":
@@ -82,7 +84,6 @@ class CapturedGraph:
     ) -> GraphParameter:
         owner = None
         if location is not None and self.frame is not None:
-            self._locations[name] = location
             owner = self.frame.evaluate(location.owner_source)
         fqn = ".".join(p for p in (location.module_path, location.name) if p) if location else name
         return GraphParameter(node, index, name, fqn, owner, location.name if location else None, value)
@@ -92,10 +93,14 @@ class CapturedGraph:
         return self.frame.code if self.frame is not None else None
 
     def root_modules(self) -> list[nn.Module]:
-        """The modules the graph's parameters hang from (the compiled model, normally one)."""
+        """The modules the graph's parameters and buffers hang from (the compiled model, normally
+        one); for a model with neither, the module whose code Dynamo traced (`self` / `fn`)."""
+        if self.frame is None:
+            return []
+        candidates = [self.frame.evaluate(location.root_source) for location in self._locations.values()]
+        candidates += [self.frame.local(name) for name in ("self", "fn")]
         roots: list[nn.Module] = []
-        for location in self._locations.values():
-            root = self.frame.evaluate(location.root_source) if self.frame else None
+        for root in candidates:
             if isinstance(root, nn.Module) and all(root is not r for r in roots):
                 roots.append(root)
         return roots

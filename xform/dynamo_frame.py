@@ -70,6 +70,10 @@ class DynamoFrame:
         """
         self.tracing_context.tensor_to_context[tensor] = _static_context(source, tensor)
 
+    def local(self, name: str) -> Any:
+        """A local variable of the traced frame, or None."""
+        return self.output_graph.local_scope.get(name)
+
     def rewrite_tensor_guard(self, source: Any, tensor: torch.Tensor) -> None:
         """Make the guards on `source` expect `tensor` (type, dtype, device, shape, stride, ...).
 
