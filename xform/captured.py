@@ -42,6 +42,10 @@ class GraphParameter:
     owner: nn.Module | None  # None when it is not a module attribute (a function argument)
     name: str | None
     tensor: torch.Tensor
+    traced_value: Any = None  # the fake tensor Dynamo traced the graph with, before any replacement
+
+    def __post_init__(self) -> None:
+        self.traced_value = self.node.meta.get("example_value")
 
     @property
     def module_path(self) -> str:

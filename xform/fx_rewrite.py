@@ -12,8 +12,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 
 def example_value(node: Any) -> Any:
-    """The fake tensor (or constant) a node stands for; constants stand for themselves."""
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
+    """The fake tensor (or constant) a node stands for; constants stand for themselves. Dynamo's
+    graphs keep it in meta["example_value"], AOTAutograd's in meta["val"]."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def fake_like(traced: FakeTensor, real: torch.Tensor) -> FakeTensor:

@@ -17,7 +17,6 @@ T = TypeVar("T", bound=type[Transform])
 _REGISTERED: dict[str, type[Transform]] = {}
 
 PLANNED = {
-    "distribute": "issue #3 (data-parallel, FSDP and tensor-parallel)",
     "cudagraphs": "issue #5 (CUDA graphs on capture-safe regions)",
 }
 

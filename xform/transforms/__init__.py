@@ -2,6 +2,7 @@
 
 from xform.transforms.attention import FlexAttention
 from xform.transforms.cast import Cast, LowPrecisionWeight
+from xform.transforms.distribute import Distribute, ShardedParameter
 from xform.transforms.quantize import RECIPES, Quantize, QuantizeUnsupported
 
-__all__ = ["FlexAttention", "Cast", "LowPrecisionWeight", "Quantize", "QuantizeUnsupported", "RECIPES"]
+__all__ = ["Distribute", "ShardedParameter", "FlexAttention", "Cast", "LowPrecisionWeight", "Quantize", "QuantizeUnsupported", "RECIPES"]
