@@ -7,7 +7,6 @@ rank takes its slice), so every way of distributing it must give the losses of o
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,16 +25,10 @@ EXACT = 1e-5  # same math, summed in another order across ranks
 FSDP2_DRIFT = 5e-2  # FSDP2 by hand drifts from the one-process run here (measured: up to 3.4e-2 in 10 steps)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(tmp_path: Path, processes: int, *args: str) -> dict:
     out = tmp_path / f"result_{processes}_{'_'.join(args).replace(':', '-')}.json"
-    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-                 f"--master_port={_free_port()}"] if processes > 1 else [sys.executable])
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+                if processes > 1 else [sys.executable])  # --standalone: torchrun picks a free port itself
     result = subprocess.run([*launcher, str(TRAIN), *args, "--out", str(out)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
