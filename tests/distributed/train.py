@@ -114,6 +114,8 @@ def main() -> None:
             "changes": len(report.changes("distribute")) if report else 0,
         }))
     if dist.is_initialized():
+        del step_model  # DDP's reducer must go before its process group (torch 2.11 aborts otherwise)
+        dist.barrier()
         dist.destroy_process_group()
 
 
