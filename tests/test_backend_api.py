@@ -61,14 +61,16 @@ def test_spec_strings_and_objects_mix():
 
 def test_unknown_spec_lists_what_is_accepted():
     with pytest.raises(ValueError, match=r"unknown transform 'quantise' in spec 'quantise:fp8'; accepted: 'cast', "
-                                         r"'cudagraphs' \(not available yet\), 'distribute' \(not available yet\)"):
+                                         r"'cudagraphs' \(not available yet\), 'distribute', 'flex-attention', "
+                                         r"'quantize'$"):
         xform.Backend(["quantise:fp8"])
 
 
-@pytest.mark.parametrize("spec, issue", [("distribute:fsdp", "#3"), ("cudagraphs", "#5")])
+@pytest.mark.parametrize("spec, issue", [("cudagraphs", "#5")])
 def test_planned_transforms_say_they_are_not_available_yet(spec, issue):
     with pytest.raises(xform.TransformNotAvailable, match=rf"transform '{spec.split(':')[0]}' \(spec '{spec}'\) "
-                                                          rf"is not available yet: issue {issue}.*Available now: 'cast', 'flex-attention', 'quantize'"):
+                                                          rf"is not available yet: issue {issue}.*Available now: 'cast', 'distribute', 'flex-attention', "
+                                                          rf"'quantize'"):
         xform.Backend([spec])
 
 
@@ -157,7 +159,7 @@ def test_available_transforms_describes_each_name():
     names = xform.available_transforms()
     assert names["cast"].startswith("Linear weights and biases held and computed in bf16/fp16")
     assert names["quantize"].startswith("Linear layers to float8 / MX formats through torchao")
-    assert names["distribute"].startswith("not available yet: issue #3")
+    assert names["cudagraphs"].startswith("not available yet: issue #5")
 
 
 def test_register_transform_refuses_a_taken_name():

@@ -134,3 +134,11 @@ def test_sharded_parameter_keeps_its_type_through_copies():
     param = nn.Parameter(shard)
     for copy in (param.detach(), param.clone(), param.float()):
         assert type(copy) is ShardedParameter and copy.full_rows == 8 and copy.shape == (4, 3)
+
+
+def test_fsdp_asks_inductor_for_communication_overlap_and_the_user_can_say_no():
+    assert xform.Backend(["distribute:fsdp"]).pipeline.handoff.config_patches == {
+        "reorder_for_compute_comm_overlap": True}
+    user = xform.Backend(["distribute:fsdp"], inductor_options={"reorder_for_compute_comm_overlap": False})
+    assert user.pipeline.handoff.config_patches["reorder_for_compute_comm_overlap"] is False
+    assert xform.Backend(["distribute:ddp"]).pipeline.handoff.config_patches is None

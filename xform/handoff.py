@@ -46,6 +46,11 @@ class InductorHandoff:
             patches.update(options)
         self.config_patches = patches or None
 
+    def with_transform_config(self, config: dict[str, Any]) -> None:
+        """Add transforms' Inductor settings; the user's own options keep precedence."""
+        if config:
+            self.config_patches = {**config, **(self.config_patches or {})}
+
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from torch import fx
 
 from xform.captured import CapturedGraph
-from xform.handoff import Handoff
+from xform.handoff import Handoff, InductorHandoff
 from xform.log import logger
 from xform.registry import resolve
 from xform.report import GraphRecord, TransformRecord
@@ -63,6 +63,8 @@ class Pipeline:
         self.transforms = [resolve(t) for t in transforms]
         check_order(self.transforms)
         self.handoff = handoff
+        if isinstance(handoff, InductorHandoff):
+            handoff.with_transform_config({k: v for t in self.transforms for k, v in t.inductor_config().items()})
         needs_aot = [t.name for t in self.transforms if t.overrides("transform_aot_graph")]
         if needs_aot and not handoff.supports_aot_hooks:
             raise ValueError(

@@ -69,6 +69,10 @@ class Transform:
         """Wrap the compiled callable (it takes the graph's inputs as a flat list of arguments)."""
         return compiled
 
+    def inductor_config(self) -> dict[str, Any]:
+        """Inductor settings this transform's graphs want (merged under the user's own options)."""
+        return {}
+
     def overrides(self, hook: str) -> bool:
         return getattr(type(self), hook) is not getattr(Transform, hook)
 

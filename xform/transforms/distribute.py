@@ -8,7 +8,7 @@ What it changes, per graph:
 - `ddp`: parameters stay as they are (replicated); each parameter the graph reads goes through
   an identity whose backward all-reduces (averages) its gradient. In the AOT backward graph the
   all-reduces are merged into buckets of about 25 MB (`bucket_all_reduces`).
-- `fsdp`: each floating parameter is replaced by a `ShardedParameter` holding this rank's 1/N of
+- `fsdp` (Inductor reorders the all-gathers for compute/communication overlap): each floating parameter is replaced by a `ShardedParameter` holding this rank's 1/N of
   it (dim 0, padded to a multiple of N): the module holds the shard, so an optimizer created after
   the first call steps shards, and the guard on it expects the shard's shape. The graph
   all-gathers each shard where it is read; the all-gather's backward reduce-scatters (averages)
@@ -219,6 +219,11 @@ class Distribute(Transform):
     @classmethod
     def from_spec(cls, argument: str | None) -> Distribute:
         return cls(argument or "fsdp")
+
+    def inductor_config(self) -> dict[str, Any]:
+        # let Inductor issue each all-gather early (the next layer's while this one computes) and
+        # sink the waits: the overlap FSDP gets from prefetching
+        return {"reorder_for_compute_comm_overlap": True} if self.strategy == "fsdp" else {}
 
     def _process_group(self, device: torch.device) -> Any | None:
         """The group to distribute over, initializing the default one under torchrun; None alone."""
