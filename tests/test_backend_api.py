@@ -132,13 +132,27 @@ def test_mode_becomes_inductor_config():
     assert backend.pipeline.handoff.config_patches["max_autotune"] is True
 
 
-def test_thunder_handoff_where_thunder_does_not_import():
+def _skip_if_thunder_imports():
     try:
         import thunder.dynamo  # noqa: F401
     except Exception:
-        pass
-    else:
-        pytest.skip("lightning-thunder imports here; the refusal is for machines where it does not")
+        return
+    pytest.skip("lightning-thunder imports here; this is about machines where it does not")
+
+
+def test_thunder_handoff_where_thunder_does_not_import_falls_back_to_inductor(monkeypatch):
+    _skip_if_thunder_imports()
+    monkeypatch.delenv("XFORM_STRICT", raising=False)
+    model = mlp()
+    xform.compile(model, handoff="thunder")(torch.randn(2, 16))
+    handoff = xform.report(model).graphs[0].handoff
+    assert handoff.startswith("inductor (instead of thunder: xform: handoff='thunder' needs lightning-thunder, which "
+                              "does not import here")
+
+
+def test_thunder_handoff_where_thunder_does_not_import_is_an_error_in_strict_mode(monkeypatch):
+    _skip_if_thunder_imports()
+    monkeypatch.setenv("XFORM_STRICT", "1")
     with pytest.raises(ValueError, match=r"handoff='thunder' needs lightning-thunder, which does not import here .*"
                                          r"xform\[thunder\].*or use handoff='inductor'"):
         xform.Backend(handoff="thunder")

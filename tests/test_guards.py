@@ -257,7 +257,7 @@ def test_parameters_that_are_not_graph_inputs_are_reported():
     backend = xform.Backend(["cast:bf16"], handoff="eager")
     graph = xform.CapturedGraph(gm, [torch.randn(2, 16)], frame=None)
     record = GraphRecord(graph="fx", code="fx", handoff="eager", nodes_before=graph.node_count())
-    backend.pipeline.run(graph, record)
+    backend.pipeline.run(lambda: graph, record)
 
     (skip,) = record.transforms[0].skips
     assert skip.target == "4 parameters"

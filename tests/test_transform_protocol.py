@@ -141,13 +141,29 @@ def test_aot_hooks_with_a_handoff_that_has_no_aot_graphs():
         xform.pipeline.Pipeline([Recorder([])], FakeThunder())
 
 
-def test_a_failing_transform_is_named_with_its_hook():
-    class Broken(xform.Transform):
-        name = "broken"
+class Broken(xform.Transform):
+    name = "broken"
 
-        def transform_graph(self, graph, record):
-            raise KeyError("boom")
+    def transform_graph(self, graph, record):
+        raise KeyError("boom")
 
+
+def test_a_failing_transform_is_dropped_and_named_in_the_report(monkeypatch):
+    monkeypatch.delenv("XFORM_STRICT", raising=False)
+    model = mlp()
+    x = torch.randn(2, 16)
+    out = xform.compile(model, "cast:bf16", Broken(), handoff="eager")(x)
+
+    assert xform.report(model).failures() == [
+        ("broken", "failed in transform_graph: KeyError: 'boom'; this graph was compiled without it "
+                   "(XFORM_STRICT=1 raises instead)")]
+    assert "FAILED" in str(xform.report(model))
+    assert model[0].weight.dtype == torch.bfloat16  # the others still applied
+    torch.testing.assert_close(out, model(x))
+
+
+def test_xform_strict_raises_the_failure(monkeypatch):
+    monkeypatch.setenv("XFORM_STRICT", "1")
     with pytest.raises(Exception, match=r"transform 'broken' failed in transform_graph: KeyError: 'boom'"):
         xform.compile(mlp(), Broken(), handoff="eager")(torch.randn(2, 16))
 

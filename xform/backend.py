@@ -84,7 +84,11 @@ class Backend:
             )
         start = time.perf_counter()
         frame = DynamoFrame.current()
-        graph = CapturedGraph(gm, example_inputs, frame, self.pipeline.handoff.name)
+
+        def make_graph() -> CapturedGraph:
+            return CapturedGraph(gm, example_inputs, frame, self.pipeline.handoff.name)
+
+        graph = make_graph()
         record = GraphRecord(
             graph=_compile_id(),
             code=_traced_name(graph),
@@ -94,7 +98,7 @@ class Backend:
         _register(record, graph)
         logger.info("graph %s (%s): %d nodes, transforms %s", record.graph, record.code,
                     record.nodes_before, [t.name for t in self.transforms])
-        compiled = self.pipeline.run(graph, record)
+        compiled = self.pipeline.run(make_graph, record)
         record.xform_seconds = time.perf_counter() - start - record.handoff_seconds
         return compiled
 

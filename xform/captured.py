@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -19,6 +19,10 @@ from torch import fx, nn
 from xform.dynamo_frame import DynamoFrame, ModuleAttribute, module_attribute, placeholder_source, update_placeholder
 from xform.fx_rewrite import fake_like
 from xform.guards import GuardChange, GuardModel, TensorExpectation
+
+
+def _restore_grapharg(grapharg: Any, saved: tuple[Any, Any, Any]) -> None:
+    grapharg._example, grapharg.example_strong_ref, grapharg.fake_tensor = saved
 
 
 def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -66,6 +70,7 @@ class CapturedGraph:
         self._locations: dict[str, ModuleAttribute] = {}
         self._live_modules: dict[str, nn.Module] = {}
         self.constant_inputs: list[torch.Tensor] = []  # appended to every call by the pipeline
+        self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
         self.parameters: list[GraphParameter] = []
         expectations = []
         for index, (node, value) in enumerate(zip(self.placeholders, self.example_inputs)):
@@ -125,12 +130,18 @@ class CapturedGraph:
                 f"xform: transform '{by}' cannot replace {param.source}: it is not a module parameter "
                 f"(passed as an argument?), so there is no module attribute to hold the replacement"
             )
-        setattr(param.owner, param.name, new)
+        owner, name, old = param.owner, param.name, getattr(param.owner, param.name)
+        self.on_undo(lambda: setattr(owner, name, old))
+        setattr(owner, name, new)
         return self._adopt(param, new, by=by, placement=placement)
 
     def _adopt(self, param: GraphParameter, new: torch.Tensor, *, by: str, placement: str | None = None) -> GuardChange:
         """Make the graph and its guards expect `new`, which the model already holds where `param` was."""
         self.example_inputs[param.index] = new
+        grapharg = param.node.meta.get("grapharg")
+        if grapharg is not None:  # shared with Dynamo's own graph: put it back on undo
+            saved = (grapharg._example, grapharg.example_strong_ref, grapharg.fake_tensor)
+            self.on_undo(lambda: _restore_grapharg(grapharg, saved))
         update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new))
         if self.frame is not None:
             self.frame.register_replacement(self._sources[param.source], new)
@@ -150,7 +161,9 @@ class CapturedGraph:
                 f"module itself, not a submodule; wrap it in a container (nn.Sequential(model)) to transform it"
             )
         old = param.owner
-        setattr(self.frame.evaluate(location.owner_parent_source), location.owner_key, new)
+        parent, key = self.frame.evaluate(location.owner_parent_source), location.owner_key
+        self.on_undo(lambda: setattr(parent, key, old))
+        setattr(parent, key, new)
         owner_name = location.owner_source.name
         self._sources[owner_name] = location.owner_source
         self._live_modules[owner_name] = new
@@ -186,6 +199,15 @@ class CapturedGraph:
     def modules_replaced_by(self, transform: str) -> list[nn.Module]:
         """The modules `transform` put into the model in this graph (with `replace_module`)."""
         return [self._live_modules[swap.source] for swap in self.guards.module_swaps if swap.changed_by == transform]
+
+    def on_undo(self, action: Callable[[], None]) -> None:
+        """Register how to take back a change a transform made to the model (run if it fails)."""
+        self._undo.append(action)
+
+    def undo_model_changes(self) -> None:
+        """Take back, newest first, every change made to the model through this graph."""
+        while self._undo:
+            self._undo.pop()()
 
     def install_guards(self) -> list[GuardChange]:
         """Make Dynamo guard the transformed model; returns the tensor changes installed."""

@@ -13,6 +13,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from xform.faults import strict
+from xform.log import logger
+
 AotHook = Callable[[fx.GraphModule, str], None]
 
 
@@ -126,4 +129,14 @@ def make_handoff(name: str, inductor_options: dict[str, Any] | None = None, mode
         raise ValueError(f"xform: Inductor options and mode apply to handoff='inductor' only, not {name!r}")
     if name == "inductor":
         return InductorHandoff(inductor_options, mode)
-    return EagerHandoff() if name == "eager" else ThunderHandoff()
+    if name == "eager":
+        return EagerHandoff()
+    try:
+        return ThunderHandoff()
+    except ValueError as error:
+        if strict():
+            raise
+        fallback = InductorHandoff()
+        fallback.name = f"inductor (instead of thunder: {error})"
+        logger.warning("%s; compiling with Inductor instead (XFORM_STRICT=1 raises)", error)
+        return fallback

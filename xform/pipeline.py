@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from torch import fx
 
 from xform.captured import CapturedGraph
+from xform.faults import TransformFailed, strict, transform_failure
 from xform.handoff import Handoff, InductorHandoff
 from xform.log import logger
 from xform.registry import resolve
@@ -72,20 +73,48 @@ class Pipeline:
                 f"does not produce; use handoff='inductor' or 'eager'"
             )
 
-    def _with(self, hook: str) -> list[Transform]:
-        return [t for t in self.transforms if t.overrides(hook)]
+    def run(self, make_graph: Callable[[], CapturedGraph], record: GraphRecord) -> Callable[..., Any]:
+        """Transform one captured graph, compile it, install its guards and wrap the result.
 
-    def run(self, graph: CapturedGraph, record: GraphRecord) -> Callable[..., Any]:
-        """Transform one captured graph, install its guards, compile it and wrap the result."""
-        records = {t.name: TransformRecord(t.name) for t in self.transforms}
+        A transform that fails inside its own code (anything but the ValueError it raises for bad
+        input) is dropped for this graph: its changes to the model are undone, the graph is
+        transformed again from Dynamo's original by the others, and the report says what failed.
+        With XFORM_STRICT=1 the failure is raised instead.
+        """
+        active = list(self.transforms)
+        failures: list[TransformRecord] = []
+        while True:
+            graph = make_graph()
+            try:
+                compiled = self._run_once(graph, active, record)
+            except Exception as error:
+                graph.undo_model_changes()  # whatever happens next, the model is as the user left it
+                failure = transform_failure(error)
+                if failure is None or strict():
+                    raise
+                failed = TransformRecord(failure.transform.name)
+                failed.failed(f"failed in {failure.hook}: {failure.reason}; this graph was compiled without it "
+                              f"(XFORM_STRICT=1 raises instead)")
+                failures.append(failed)
+                active = [t for t in active if t is not failure.transform]
+                continue
+            record.transforms += failures
+            return compiled
+
+    def _run_once(self, graph: CapturedGraph, transforms: list[Transform], record: GraphRecord) -> Callable[..., Any]:
+        records = {t.name: TransformRecord(t.name) for t in transforms}
         record.transforms = list(records.values())
+
+        def using(hook: str) -> list[Transform]:
+            return [t for t in transforms if t.overrides(hook)]
+
         held = graph.parameters_held_by_graph_module()
-        for t in self._with("transform_parameters"):
+        for t in using("transform_parameters"):
             if held:
                 records[t.name].skipped(f"{len(held)} parameters", PARAMETERS_NOT_INPUTS)
             with _timed(t, records[t.name], "transform_parameters"):
                 t.transform_parameters(graph, records[t.name])
-        for t in self._with("transform_graph"):
+        for t in using("transform_graph"):
             with _timed(t, records[t.name], "transform_graph"):
                 t.transform_graph(graph, records[t.name])
                 graph.gm.graph.lint()
@@ -95,11 +124,13 @@ class Pipeline:
 
         start = time.perf_counter()
         try:
-            compiled = self.handoff.compile(graph.gm, graph.example_inputs, self._aot_hook(records))
+            compiled = self.handoff.compile(graph.gm, graph.example_inputs, _aot_hook(using("transform_aot_graph"), records))
         except Exception as error:
+            if transform_failure(error) is not None:
+                raise
             raise RuntimeError(
                 f"xform: handoff {self.handoff.name!r} failed to compile graph {record.graph} after transforms "
-                f"{[t.name for t in self.transforms]}: {type(error).__name__}: {error}\n"
+                f"{[t.name for t in transforms]}: {type(error).__name__}: {error}\n"
                 f"To tell a transform's bad graph from a handoff bug, compile with handoff='eager' "
                 f"(XFORM_LOG=debug prints the transformed graph)."
             ) from error
@@ -107,30 +138,30 @@ class Pipeline:
         if graph.constant_inputs:
             compiled = _with_constants(compiled, tuple(graph.constant_inputs))
 
-        for t in self._with("transform_guards"):
+        for t in using("transform_guards"):
             with _timed(t, records[t.name], "transform_guards"):
                 t.transform_guards(graph.guards, records[t.name])
         record.guard_changes = graph.install_guards()
         record.module_swaps = list(graph.guards.module_swaps)
 
-        for t in self._with("wrap_compiled"):
+        for t in using("wrap_compiled"):
             with _timed(t, records[t.name], "wrap_compiled"):
                 compiled = t.wrap_compiled(compiled, graph, records[t.name])
         return compiled
 
-    def _aot_hook(self, records: dict[str, TransformRecord]) -> Callable[[fx.GraphModule, str], None] | None:
-        users = self._with("transform_aot_graph")
-        if not users:
-            return None
 
-        def hook(gm: fx.GraphModule, kind: str) -> None:
-            for t in users:
-                with _timed(t, records[t.name], "transform_aot_graph"):
-                    t.transform_aot_graph(gm, kind, records[t.name])
-                    gm.graph.lint()
-                    gm.recompile()
+def _aot_hook(users: list[Transform], records: dict[str, TransformRecord]) -> Callable[[fx.GraphModule, str], None] | None:
+    if not users:
+        return None
 
-        return hook
+    def hook(gm: fx.GraphModule, kind: str) -> None:
+        for t in users:
+            with _timed(t, records[t.name], "transform_aot_graph"):
+                t.transform_aot_graph(gm, kind, records[t.name])
+                gm.graph.lint()
+                gm.recompile()
+
+    return hook
 
 
 def _with_constants(compiled: Callable[..., Any], constants: tuple[Any, ...]) -> Callable[..., Any]:
@@ -148,9 +179,9 @@ def _timed(transform: Transform, record: TransformRecord, hook: str) -> Iterator
     start = time.perf_counter()
     try:
         yield
-    except (ValueError, NotImplementedError):
-        raise
+    except (ValueError, NotImplementedError, TransformFailed):
+        raise  # bad input, said plainly by the transform; or already attributed
     except Exception as error:
-        raise RuntimeError(f"xform: transform '{transform.name}' failed in {hook}: {type(error).__name__}: {error}") from error
+        raise TransformFailed(transform, hook, error) from error
     finally:
         record.seconds += time.perf_counter() - start

@@ -44,6 +44,7 @@ class TransformRecord:
     changes: list[Change] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    failure: str | None = None  # set when the transform raised and the graph was compiled without it
     seconds: float = 0.0
 
     def changed(self, kind: str, target: str, detail: str = "") -> None:
@@ -58,12 +59,17 @@ class TransformRecord:
         self.notes.append(text)
         logger.info("%s: %s", self.transform, text)
 
+    def failed(self, text: str) -> None:
+        self.failure = text
+        logger.warning("%s %s", self.transform, text)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "transform": self.transform,
             "changes": [vars(c) for c in self.changes],
             "skips": [vars(s) for s in self.skips],
             "notes": list(self.notes),
+            "failure": self.failure,
             "seconds": round(self.seconds, 6),
         }
 
@@ -113,6 +119,10 @@ class Report:
     def skips(self, transform: str) -> list[Skip]:
         return [s for g in self.graphs for t in g.transforms if t.transform == transform for s in t.skips]
 
+    def failures(self) -> list[tuple[str, str]]:
+        """(transform, what failed) for every transform a graph was compiled without."""
+        return [(t.transform, t.failure) for g in self.graphs for t in g.transforms if t.failure]
+
     def __str__(self) -> str:
         if not self.graphs:
             return "xform report: no graph compiled yet (call the compiled model once)"
@@ -132,6 +142,7 @@ class Report:
                 rows += [("", c.kind, c.target, c.detail) for c in t.changes]
                 rows += [("", "skipped", s.target, s.reason) for s in t.skips]
                 rows += [("", "note", "", n) for n in t.notes]
+                rows += [("", "FAILED", "", t.failure)] if t.failure else []
             if len(rows) > 1:
                 lines += _table(rows)
             lines += _guard_lines("guards rewritten", g.guard_changes)

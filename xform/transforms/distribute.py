@@ -256,7 +256,7 @@ class Distribute(Transform):
             before = param.tensor.nbytes
             new = shard_parameter(param.tensor, world, rank, group.group_name)
             graph.replace_parameter(param, new, by=self.name, placement=f"Shard(0) of {world}")
-            _install_state_dict_hooks(param.owner)
+            _install_state_dict_hooks(graph, param.owner)
             record.changed("parameter", param.fqn, f"{tuple(param.node.meta['example_value'].shape)} shard of "
                                                    f"{param.tensor.full_rows} rows, {before} -> {new.nbytes} bytes")
 
@@ -289,11 +289,19 @@ def _shard_refusal(param: GraphParameter) -> str | None:
     return None
 
 
-def _install_state_dict_hooks(module: nn.Module) -> None:
-    if not getattr(module, "_xform_sharded", False):
-        module._register_state_dict_hook(_full_state_dict_hook)
-        module._register_load_state_dict_pre_hook(_shard_on_load_hook, with_module=True)
-        object.__setattr__(module, "_xform_sharded", True)
+def _install_state_dict_hooks(graph: CapturedGraph, module: nn.Module) -> None:
+    if getattr(module, "_xform_sharded", False):
+        return
+    handles = [module._register_state_dict_hook(_full_state_dict_hook),
+               module._register_load_state_dict_pre_hook(_shard_on_load_hook, with_module=True)]
+    object.__setattr__(module, "_xform_sharded", True)
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        object.__setattr__(module, "_xform_sharded", False)
+
+    graph.on_undo(undo)
 
 
 def _route_through(graph: CapturedGraph, param: GraphParameter, fn: Any, extra: tuple[Any, ...]) -> None:

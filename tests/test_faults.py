@@ -1,0 +1,93 @@
+"""Faults: a transform that throws is dropped for that graph, its changes to the model are undone,
+the step completes, the report names what failed; XFORM_STRICT=1 raises instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import xform
+from models import mlp
+
+
+@pytest.fixture(autouse=True)
+def lenient(monkeypatch):
+    monkeypatch.delenv("XFORM_STRICT", raising=False)
+
+
+class ReplacesThenFails(xform.Transform):
+    """Replaces every weight by a doubled copy, then fails in its graph hook: the replacement must go."""
+
+    name = "replaces-then-fails"
+
+    def transform_parameters(self, graph, record):
+        for param in graph.parameters:
+            graph.replace_parameter(param, nn.Parameter(param.tensor.detach() * 2), by=self.name)
+
+    def transform_graph(self, graph, record):
+        raise RuntimeError("bug in the transform")
+
+
+def test_model_changes_of_a_failed_transform_are_undone():
+    model = mlp()
+    weights = [p for p in model.parameters()]
+    x = torch.randn(2, 16)
+    expected = model(x)
+
+    out = xform.compile(model, ReplacesThenFails(), handoff="eager")(x)
+
+    assert all(a is b for a, b in zip(model.parameters(), weights))
+    torch.testing.assert_close(out, expected)
+    (failure,) = xform.report(model).failures()
+    assert failure[0] == "replaces-then-fails" and "RuntimeError: bug in the transform" in failure[1]
+    assert xform.report(model).graphs[0].guard_changes == []
+
+
+class FailsInAot(xform.Transform):
+    name = "fails-in-aot"
+
+    def transform_aot_graph(self, gm, kind, record):
+        raise IndexError("aot bug")
+
+
+@pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_failure_inside_the_handoff_compile_is_attributed_and_survived(handoff):
+    model = mlp()
+    x = torch.randn(2, 16)
+    out = xform.compile(model, "cast:bf16", FailsInAot(), handoff=handoff)(x)
+    (failure,) = xform.report(model).failures()
+    assert failure == ("fails-in-aot", "failed in transform_aot_graph: IndexError: aot bug; this graph was compiled "
+                                       "without it (XFORM_STRICT=1 raises instead)")
+    torch.testing.assert_close(out, model(x))  # cast still applied, and consistent with eager
+    assert model[0].weight.dtype == torch.bfloat16
+
+
+class FailsWrapping(xform.Transform):
+    name = "fails-wrapping"
+
+    def wrap_compiled(self, compiled, graph, record):
+        raise TypeError("wrapper bug")
+
+
+def test_a_failing_wrapper_is_dropped():
+    model = mlp()
+    x = torch.randn(2, 16)
+    out = xform.compile(model, FailsWrapping(), handoff="eager")(x)
+    assert xform.report(model).failures()[0][0] == "fails-wrapping"
+    torch.testing.assert_close(out, model(x))
+
+
+def test_bad_input_errors_are_not_swallowed():
+    model = nn.Sequential(nn.Linear(128, 128)).bfloat16()
+    with pytest.raises(Exception, match="recipe 'nvfp4' needs an SM100"):
+        xform.compile(model, "quantize:nvfp4", handoff="eager")(torch.randn(2, 128, dtype=torch.bfloat16))
+
+
+def test_strict_mode_raises_the_failure_and_leaves_the_model_alone(monkeypatch):
+    monkeypatch.setenv("XFORM_STRICT", "1")
+    model = mlp()
+    weights = list(model.parameters())
+    with pytest.raises(Exception, match=r"transform 'replaces-then-fails' failed in transform_graph"):
+        xform.compile(model, ReplacesThenFails(), handoff="eager")(torch.randn(2, 16))
+    assert all(a is b for a, b in zip(model.parameters(), weights))
