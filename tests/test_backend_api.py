@@ -75,7 +75,8 @@ def test_planned_transforms_say_they_are_not_available_yet(spec, issue):
 
 
 def test_bad_spec_argument_names_the_transform_and_choices():
-    with pytest.raises(ValueError, match=r"transform 'cast': unknown dtype 'int3'; accepted: bf16, bfloat16, fp16, float16"):
+    with pytest.raises(ValueError, match=r"transform 'cast': option dtype='int3' is not accepted; accepted: "
+                                         r"torch.bfloat16, torch.float16 or one of 'bf16', 'bfloat16', 'fp16', 'float16'"):
         xform.Backend(["cast:int3"])
 
 

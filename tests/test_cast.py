@@ -40,8 +40,8 @@ def test_unselected_layers_are_not_reported_as_skipped():
 
 
 @pytest.mark.parametrize("filter, message", [
-    ("up(", r"transform 'cast': filter 'up\(' is not a valid regex"),
-    (3, r"transform 'cast': filter must be None, a regex string, a list of module paths or a callable"),
+    ("up(", r"transform 'cast': option filter='up\(' is not accepted; accepted: a valid regex \(this one: "),
+    (3, r"transform 'cast': option filter=3 is not accepted; accepted: None, a regex string, a list of module paths"),
 ])
 def test_bad_filter(filter, message):
     with pytest.raises(ValueError, match=message):
@@ -49,7 +49,8 @@ def test_bad_filter(filter, message):
 
 
 def test_bad_dtype():
-    with pytest.raises(ValueError, match=r"transform 'cast': dtype must be torch.bfloat16 or torch.float16, got torch.int8"):
+    with pytest.raises(ValueError, match=r"transform 'cast': option dtype=torch.int8 is not accepted; accepted: "
+                                         r"torch.bfloat16, torch.float16"):
         Cast(torch.int8)
 
 

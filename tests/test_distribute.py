@@ -103,8 +103,8 @@ def test_single_process_is_a_no_op_with_the_reason(monkeypatch):
 
 
 def test_strategy_errors():
-    with pytest.raises(ValueError, match=r"transform 'distribute': unknown strategy 'zero3'; accepted: ddp, fsdp, "
-                                         r"tp, fsdp\+tp"):
+    with pytest.raises(ValueError, match=r"transform 'distribute': option strategy='zero3' is not accepted; "
+                                         r"accepted: ddp, fsdp, tp, fsdp\+tp"):
         Distribute("zero3")
     with pytest.raises(xform.TransformNotAvailable, match=r"strategy 'tp' \(tensor parallelism\) is not available "
                                                           r"yet \(issue #3\); 'ddp' and 'fsdp' are"):

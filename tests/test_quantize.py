@@ -217,7 +217,8 @@ def test_spec_errors():
     with pytest.raises(ValueError, match=r"transform 'quantize' needs a recipe, e.g. quantize:float8-rowwise; "
                                          r"accepted: training: float8-tensorwise, "):
         xform.Backend(["quantize"])
-    with pytest.raises(ValueError, match=r"unknown recipe 'int4'; accepted: training: .*; inference: float8-dynamic"):
+    with pytest.raises(ValueError, match=r"option recipe='int4' is not accepted; accepted: training: .*; inference: "
+                                         r"float8-dynamic"):
         xform.Backend(["quantize:int4"])
 
 

@@ -7,6 +7,8 @@ from typing import Callable, Sequence, Union
 
 from torch import nn
 
+from xform.transform import option_error
+
 LayerFilter = Union[None, str, Sequence[str], Callable[[str, nn.Module], bool]]
 
 
@@ -23,14 +25,13 @@ def layer_selector(filter: LayerFilter, transform: str) -> Callable[[str, nn.Mod
         try:
             pattern = re.compile(filter)
         except re.error as error:
-            raise ValueError(f"xform: transform '{transform}': filter {filter!r} is not a valid regex ({error})") from None
+            raise option_error(transform, "filter", filter, f"a valid regex (this one: {error}), a list of module "
+                               f"paths or a callable (path, module) -> bool") from None
         return lambda path, module: pattern.fullmatch(path) is not None
     if isinstance(filter, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in filter):
         names = frozenset(filter)
         return lambda path, module: path in names
     if callable(filter):
         return filter
-    raise ValueError(
-        f"xform: transform '{transform}': filter must be None, a regex string, a list of module paths "
-        f"or a callable (path, module) -> bool; got {type(filter).__name__}"
-    )
+    raise option_error(transform, "filter", filter, "None, a regex string, a list of module paths or a callable "
+                                                    "(path, module) -> bool")

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 HOOKS = ("transform_parameters", "transform_graph", "transform_aot_graph", "transform_guards", "wrap_compiled")
 
 
+def option_error(transform: str, option: str, value: Any, accepted: str) -> ValueError:
+    """The error for a bad option: which transform, which option, the value given, what is accepted."""
+    return ValueError(f"xform: transform '{transform}': option {option}={value!r} is not accepted; accepted: {accepted}")
+
+
 class Transform:
     """Base class of xform transforms; override only the hooks the transform needs."""
 

@@ -42,7 +42,7 @@ from xform.fx_rewrite import example_value
 from xform.index_mods import IndexProgram, NotElementwise, dense_program, index_program
 from xform.registry import register_transform
 from xform.report import TransformRecord
-from xform.transform import Transform
+from xform.transform import Transform, option_error
 
 BACKENDS = ("auto", "flash", "triton")
 MASKED = -1e4  # a masked_fill value at or below this is a mask, not a bias
@@ -420,8 +420,7 @@ class FlexAttention(Transform):
 
     def __init__(self, backend: str = "auto") -> None:
         if backend not in BACKENDS:
-            raise ValueError(f"xform: transform 'flex-attention': unknown backend {backend!r}; accepted: "
-                             f"{', '.join(BACKENDS)}")
+            raise option_error(self.name, "backend", backend, ", ".join(BACKENDS))
         self.backend = backend
 
     @classmethod

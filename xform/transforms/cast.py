@@ -41,7 +41,7 @@ from xform.linear_layers import (
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.selection import LayerFilter, layer_selector
-from xform.transform import Transform
+from xform.transform import Transform, option_error
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -95,14 +95,13 @@ class Cast(Transform):
     name = "cast"
 
     def __init__(self, dtype: torch.dtype | str = torch.bfloat16, *, filter: LayerFilter = None) -> None:
+        accepted = f"torch.bfloat16, torch.float16 or one of {', '.join(map(repr, DTYPES))}"
         if isinstance(dtype, str):
             if dtype not in DTYPES:
-                raise ValueError(f"xform: transform 'cast': unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+                raise option_error(self.name, "dtype", dtype, accepted)
             dtype = DTYPES[dtype]
         if dtype not in DTYPES.values():
-            raise ValueError(
-                f"xform: transform 'cast': dtype must be torch.bfloat16 or torch.float16, got {dtype!r}"
-            )
+            raise option_error(self.name, "dtype", dtype, accepted)
         self.dtype = dtype
         self.filter = filter
         self._selects = layer_selector(filter, self.name)

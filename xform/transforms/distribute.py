@@ -1,8 +1,8 @@
 """`Distribute`: a single-device model runs data-parallel or sharded (FSDP-style) under torchrun.
 
-`Distribute(strategy="ddp"|"fsdp"|"tp"|"fsdp+tp", group=None)`, spec `distribute:<strategy>`. The
+`Distribute(strategy="ddp"|"fsdp"|"tp"|"fsdp+tp", mesh=None)`, spec `distribute:<strategy>`. The
 user launches with `torchrun`; xform initializes the process group if needed (NCCL on CUDA, gloo
-on CPU) and uses the world group unless given another.
+on CPU) and uses the world group unless given a 1-D DeviceMesh or a ProcessGroup as `mesh`.
 
 What it changes, per graph:
 - `ddp`: parameters stay as they are (replicated); each parameter the graph reads goes through
@@ -36,7 +36,7 @@ from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import example_value
 from xform.registry import TransformNotAvailable, register_transform
 from xform.report import TransformRecord
-from xform.transform import Transform
+from xform.transform import Transform, option_error
 
 STRATEGIES = ("ddp", "fsdp", "tp", "fsdp+tp")
 BUCKET_BYTES = 25 * 2**20
@@ -205,16 +205,16 @@ class Distribute(Transform):
         "cast": "it shards the weights cast made",
     }
 
-    def __init__(self, strategy: str = "fsdp", *, group: Any = None) -> None:
+    def __init__(self, strategy: str = "fsdp", *, mesh: Any = None) -> None:
         if strategy not in STRATEGIES:
-            raise ValueError(f"xform: transform 'distribute': unknown strategy {strategy!r}; accepted: "
-                             f"{', '.join(STRATEGIES)}")
+            raise option_error(self.name, "strategy", strategy, ", ".join(STRATEGIES))
         if strategy in ("tp", "fsdp+tp"):
             raise TransformNotAvailable(
                 f"xform: transform 'distribute': strategy {strategy!r} (tensor parallelism) is not available yet "
                 f"(issue #3); 'ddp' and 'fsdp' are")
         self.strategy = strategy
-        self.group = group
+        self.mesh = mesh
+        self.group = _group_of(mesh, self.name)
 
     @classmethod
     def from_spec(cls, argument: str | None) -> Distribute:
@@ -276,6 +276,17 @@ class Distribute(Transform):
             buckets = bucket_all_reduces(gm, BUCKET_BYTES)
             if buckets:
                 record.changed("nodes", f"{buckets} gradient buckets", "all-reduces merged, ~25 MB each")
+
+
+def _group_of(mesh: Any, transform: str) -> Any:
+    """The process group a `mesh` option names (None: the default world group, resolved later)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is None or isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 1:
+        return mesh.get_group()
+    raise option_error(transform, "mesh", mesh, "None (the world group), a 1-D DeviceMesh or a ProcessGroup")
 
 
 def _shard_refusal(param: GraphParameter) -> str | None:

@@ -45,7 +45,7 @@ from xform.linear_layers import (
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.selection import LayerFilter, layer_selector
-from xform.transform import Transform
+from xform.transform import Transform, option_error
 
 
 class QuantizeUnsupported(ValueError):
@@ -251,7 +251,7 @@ class Quantize(Transform):
 
     def __init__(self, recipe: str, *, filter: LayerFilter = None) -> None:
         if recipe not in RECIPES:
-            raise ValueError(f"xform: transform 'quantize': unknown recipe {recipe!r}; accepted: {_recipe_list()}")
+            raise option_error(self.name, "recipe", recipe, _recipe_list())
         self.recipe = recipe
         self.filter = filter
         self._selects = layer_selector(filter, self.name)

@@ -1,0 +1,49 @@
+"""Every option of every transform, given a wrong type or value, is a ValueError that names the
+transform, the option, the value and what is accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xform
+from xform.transforms import Cast, Distribute, FlexAttention, Quantize
+
+BAD = [
+    (Cast, {"dtype": torch.int8}, "cast", "dtype=torch.int8", "torch.bfloat16, torch.float16"),
+    (Cast, {"dtype": "fp8"}, "cast", "dtype='fp8'", "'bf16', 'bfloat16', 'fp16', 'float16'"),
+    (Cast, {"dtype": 16}, "cast", "dtype=16", "torch.bfloat16"),
+    (Cast, {"filter": 3}, "cast", "filter=3", "None, a regex string, a list of module paths or a callable"),
+    (Cast, {"filter": "(("}, "cast", "filter='(('", "a valid regex"),
+    (Cast, {"filter": [1, 2]}, "cast", "filter=[1, 2]", "a list of module paths"),
+    (Quantize, {"recipe": "int4"}, "quantize", "recipe='int4'", "training: float8-tensorwise"),
+    (Quantize, {"recipe": 8}, "quantize", "recipe=8", "inference: float8-dynamic"),
+    (Quantize, {"recipe": "nvfp4", "filter": object()}, "quantize", "filter=<object", "a callable"),
+    (FlexAttention, {"backend": "cudnn"}, "flex-attention", "backend='cudnn'", "auto, flash, triton"),
+    (FlexAttention, {"backend": None}, "flex-attention", "backend=None", "auto, flash, triton"),
+    (Distribute, {"strategy": "zero3"}, "distribute", "strategy='zero3'", "ddp, fsdp, tp, fsdp+tp"),
+    (Distribute, {"strategy": "fsdp", "mesh": "world"}, "distribute", "mesh='world'", "a 1-D DeviceMesh or a ProcessGroup"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, transform, shown, accepted", BAD,
+                         ids=[f"{c.__name__}-{'-'.join(map(str, k))}-{i}" for i, (c, k, *_) in enumerate(BAD)])
+def test_bad_option_is_a_value_error_naming_everything(cls, kwargs, transform, shown, accepted):
+    with pytest.raises(ValueError) as caught:
+        cls(**kwargs)
+    message = str(caught.value)
+    assert message.startswith(f"xform: transform '{transform}': option {shown}")
+    assert "is not accepted; accepted: " in message and accepted in message
+
+
+@pytest.mark.parametrize("options, shown", [
+    ({"transforms": "cast", "handoff": "tvm"}, "unknown handoff 'tvm'; accepted: 'inductor', 'eager', 'thunder'"),
+    ({"transforms": 5}, "options['transforms'] must be a list of transforms or spec strings, got int"),
+    ({"inductor": {"no_such_option": 1}}, "unknown Inductor option(s) ['no_such_option']"),
+    ({"transformz": []}, "unknown option(s) ['transformz'] for backend='xform'; accepted: 'transforms', 'handoff', "
+                         "'inductor'"),
+])
+def test_bad_backend_options(options, shown):
+    with pytest.raises(ValueError) as caught:
+        xform.Backend.from_options(options)
+    assert shown in str(caught.value)
