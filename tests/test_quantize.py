@@ -257,3 +257,21 @@ def test_composes_with_flex_attention(recipe):
         out.float().square().sum().backward()
         expected.square().sum().backward()
         assert sqnr(x_ref.grad, x.grad) >= RUNS_ON_CPU[recipe][2]
+
+
+def test_regression_rowwise_float8_after_a_transpose():
+    """Corpus seed 0: a Linear fed a transposed (non-contiguous) activation. torchao's Float8Linear
+    with row-wise scales cannot reshape it (`clone` has no axiswise-scaled form); xform's swapped-in
+    layer makes its input contiguous first."""
+    conv = nn.Conv1d(32, 32, 3, padding=1)
+    linear = nn.Linear(32, 32)
+    model = nn.Sequential(conv, linear)
+
+    def forward(x):
+        return model[1](model[0](x.transpose(1, 2)).transpose(1, 2))
+
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    expected = forward(x)
+    out = xform.compile(forward, "quantize:float8-rowwise", handoff="eager")(x)
+    out.sum().backward()
+    assert sqnr(expected, out) >= 20 and type(model[1]).__name__ == "ContiguousInputFloat8Linear"

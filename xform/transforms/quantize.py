@@ -130,9 +130,21 @@ def _float8_training(recipe_name: str, recipe: str) -> Callable[[Device, str], P
 
 
 def _to_float8_linear(linear: nn.Linear, config: Any) -> nn.Module:
+    return _contiguous_float8_linear_class().from_float(linear, config=config)
+
+
+@functools.lru_cache(maxsize=None)
+def _contiguous_float8_linear_class() -> type:
+    """torchao's Float8Linear, fed a contiguous input: with row-wise scales torchao cannot reshape a
+    non-contiguous [.., K] input (its `clone` has no axiswise-scaled form), which a Linear after a
+    transpose (a conv, an attention output) hands it. Made on first use, so torchao loads lazily."""
     from torchao.float8.float8_linear import Float8Linear
 
-    return Float8Linear.from_float(linear, config=config)
+    class ContiguousInputFloat8Linear(Float8Linear):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return super().forward(input.contiguous())
+
+    return ContiguousInputFloat8Linear
 
 
 def _blockwise_plan(device: Device, handoff: str) -> Plan:
