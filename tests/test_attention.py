@@ -239,3 +239,16 @@ def test_graphs_without_attention_are_untouched():
     x = torch.randn(2, 8, 8)
     xform.compile(mlp, "flex-attention", handoff="eager")(x)
     assert xform.report(mlp).changes("flex-attention") == [] and xform.report(mlp).skips("flex-attention") == []
+
+
+def test_regression_in_place_ops_outside_the_attention_survive_the_rewrite():
+    """Corpus seed 40: FX's dead-code pass, run after the rewrite, dropped an unused in-place
+    `y.mul_(0.5)` elsewhere in the graph (torch-level calls look pure to it): a silent wrong answer."""
+    def model(x, q, k, v):
+        y = x.clone()
+        y.mul_(0.5)
+        return y + F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    x = torch.randn(4)
+    q, k, v, _ = inputs(requires_grad=False)
+    torch.testing.assert_close(xform.compile(model, "flex-attention", handoff="eager")(x, q, k, v), model(x, q, k, v))

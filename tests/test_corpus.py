@@ -1,6 +1,6 @@
 """Randomized corpus: seeded small models (tests/corpus.py) compiled with every transform that runs
-on CPU and every pair of them. XFORM_CORPUS_MODELS=5000 runs a longer sweep (CI: 40 models x 7
-sets = 280 cases).
+on CPU and every pair of them. XFORM_CORPUS_MODELS=5000 runs a longer sweep and
+XFORM_CORPUS_FIRST=N starts it at seed N (CI: 40 models x 7 sets = 280 cases).
 
 Two checks per case. (1) The compiled model against the same model run eagerly *after* the
 transforms changed it (cast and quantize keep the eager meaning of what they did): outputs and
@@ -19,6 +19,7 @@ import torch
 import xform
 from corpus import random_model
 
+FIRST = int(os.environ.get("XFORM_CORPUS_FIRST", "0"))
 MODELS = int(os.environ.get("XFORM_CORPUS_MODELS", "40"))
 
 # transform set -> (specs, minimum output SQNR (dB) against the fp32 model (None: must match it to
@@ -61,7 +62,7 @@ def mismatches(expected, actual, tolerance: float) -> list[str]:
             if not torch.allclose(a, e, atol=tolerance, rtol=10 * tolerance)]
 
 
-@pytest.mark.parametrize("seed", range(MODELS))
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + MODELS))
 def test_random_model_with_every_transform_set(seed):
     model, x = random_model(seed)
     original = copy.deepcopy(model)

@@ -38,3 +38,35 @@ def insert_call(graph: fx.Graph, op: str, target: Any, args: tuple[Any, ...],
         fn = getattr(values[0], target) if op == "call_method" else target
         node.meta["example_value"] = fn(*(values[1:] if op == "call_method" else values), **kw_values)
     return node
+
+
+_SIDE_EFFECTS = {print, setattr, "__setitem__", "record_stream", "backward", "retain_grad", "register_hook"}
+
+
+def _pure(node: fx.Node) -> bool:
+    """Whether removing an unused `node` cannot change what the graph does: a call with no side
+    effect. Dynamo graphs hold torch-level calls, which FX's own dead-code pass cannot judge (it
+    would drop an unused `x.mul_(2)`), so in-place calls and known side effects count as impure."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    if in_place or node.target in _SIDE_EFFECTS or name in _SIDE_EFFECTS:
+        return False
+    return not (node.op == "call_function" and (name.startswith("_set_") or "grad_enabled" in name))
+
+
+def remove_unused(graph: fx.Graph, starts: list[Any]) -> int:
+    """Erase the nodes left unused by a rewrite, walking up from `starts` (the inputs of what was
+    replaced) and stopping at anything impure or still used. Returns how many were erased."""
+    erased = 0
+    stack = [n for n in starts if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node.graph is not graph or node.users or not _pure(node):
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased += 1
+        stack.extend(inputs)
+    return erased

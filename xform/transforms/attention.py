@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from xform.captured import CapturedGraph
-from xform.fx_rewrite import example_value
+from xform.fx_rewrite import example_value, remove_unused
 from xform.index_mods import IndexProgram, NotElementwise, dense_program, index_program
 from xform.registry import register_transform
 from xform.report import TransformRecord
@@ -440,8 +440,7 @@ class FlexAttention(Transform):
                 continue
             backend = self._backend_for(site)
             self._rewrite(graph, site, backend, record)
-        if sites:
-            graph.gm.graph.eliminate_dead_code()
+
 
     def _device_refusal(self, site: AttentionSite, graph: CapturedGraph) -> str | None:
         q = example_value(site.q)
@@ -486,7 +485,9 @@ class FlexAttention(Transform):
             node = g.call_function(call, (site.q, site.k, site.v, *constants, *buffers))
         node.meta["example_value"] = site.output.meta.get("example_value")
         site.output.replace_all_uses_with(node)
+        replaced_inputs = site.output.all_input_nodes
         g.erase_node(site.output)
+        remove_unused(g, replaced_inputs)  # the mask/bias/score nodes only the old attention read
         built = "built once" if block_mask is not None else "built per call from the data it reads"
         record.changed("attention", site.where,
                        f"-> flex_attention ({describe_mask(site, q_len, kv_len)}; {backend}; block mask {built})")
