@@ -72,6 +72,7 @@ class CapturedGraph:
         self.constant_inputs: list[torch.Tensor] = []  # appended to every call by the pipeline
         self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
         self.parameters: list[GraphParameter] = []
+        self.module_state: set[fx.Node] = set()  # placeholders of the model's parameters and buffers
         expectations = []
         for index, (node, value) in enumerate(zip(self.placeholders, self.example_inputs)):
             source = placeholder_source(node)
@@ -84,6 +85,8 @@ class CapturedGraph:
                 self._locations[name] = location
             role = "parameter" if isinstance(value, nn.Parameter) else ("buffer" if location else "input")
             expectations.append(TensorExpectation.of(name, role, value))
+            if role != "input":
+                self.module_state.add(node)
             if role == "parameter":
                 self.parameters.append(self._graph_parameter(node, index, name, location, value))
         self.guards = GuardModel(expectations)

@@ -17,6 +17,9 @@ from xform.faults import strict
 from xform.log import logger
 
 AotHook = Callable[[fx.GraphModule, str], None]
+# wraps one AOT-compiled function (boxed: takes a list) given its kind and the indices of its
+# inputs with stable addresses (parameters, buffers); the CUDA-graph transform records it
+InnerWrapper = Callable[[Callable[..., Any], str, Sequence[int]], Callable[..., Any]]
 
 
 def _aot_kind(is_backward: bool, is_inference: bool) -> str:
@@ -49,22 +52,36 @@ class InductorHandoff:
             patches.update(options)
         self.config_patches = patches or None
 
-    def with_transform_config(self, config: dict[str, Any]) -> None:
-        """Add transforms' Inductor settings; the user's own options keep precedence."""
+    def with_transform_config(self, config: dict[str, Any], by: dict[str, str] | None = None) -> None:
+        """Add transforms' Inductor settings (`by`: setting -> transform); a user option that
+        contradicts one is an error, since the transform relies on it."""
+        user = self.config_patches or {}
+        for key, value in config.items():
+            if key in user and user[key] != value:
+                owner = (by or {}).get(key, "a transform")
+                raise ValueError(
+                    f"xform: transform '{owner}' needs Inductor's {key}={value!r}, but the mode or options ask for "
+                    f"{user[key]!r}" + (" (mode='reduce-overhead' records CUDA graphs itself: drop the mode, the "
+                                        "cudagraphs transform replaces it)" if key == "triton.cudagraphs" else "")
+                )
         if config:
-            self.config_patches = {**config, **(self.config_patches or {})}
+            self.config_patches = {**config, **user}
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None) -> Callable[..., Any]:
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None,
+                wrap_inner: InnerWrapper | None = None) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        if aot_hook is None:
+        if aot_hook is None and wrap_inner is None:
             return compile_fx(gm, example_inputs, config_patches=self.config_patches)
 
         def inner_compile(aot_gm: fx.GraphModule, inputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
-            aot_hook(aot_gm, _aot_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False)))
-            return compile_fx_inner(aot_gm, inputs, *args, **kwargs)
+            kind = _aot_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
+            if aot_hook is not None:
+                aot_hook(aot_gm, kind)
+            compiled = compile_fx_inner(aot_gm, inputs, *args, **kwargs)
+            return compiled if wrap_inner is None else wrap_inner(compiled, kind, kwargs.get("static_input_idxs", ()))
 
-        # An AOTAutograd cache hit would skip inner_compile, and with it the hook; Inductor's own
+        # An AOTAutograd cache hit would skip inner_compile, and with it the hooks; Inductor's own
         # FX graph cache stays on, since it keys on the graph the hook already rewrote.
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.config_patches)
@@ -76,17 +93,20 @@ class EagerHandoff:
     name = "eager"
     supports_aot_hooks = True
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None) -> Callable[..., Any]:
-        if aot_hook is None:
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None,
+                wrap_inner: InnerWrapper | None = None) -> Callable[..., Any]:
+        if aot_hook is None and wrap_inner is None:
             return gm.forward
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
 
         def compiler(kind: str) -> Callable[..., Any]:
             def run(aot_gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-                aot_hook(aot_gm, kind)
-                aot_gm.recompile()
-                return make_boxed_func(aot_gm.forward)
+                if aot_hook is not None:
+                    aot_hook(aot_gm, kind)
+                    aot_gm.recompile()
+                compiled = make_boxed_func(aot_gm.forward)
+                return compiled if wrap_inner is None else wrap_inner(compiled, kind, ())
 
             return run
 
@@ -113,7 +133,8 @@ class ThunderHandoff:
             ) from None
         self._compiler_class = ThunderCompiler
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None) -> Callable[..., Any]:
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None,
+                wrap_inner: InnerWrapper | None = None) -> Callable[..., Any]:
         return self._compiler_class()(gm, list(example_inputs))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch import fx
@@ -65,11 +66,15 @@ class Pipeline:
         check_order(self.transforms)
         self.handoff = handoff
         if isinstance(handoff, InductorHandoff):
-            handoff.with_transform_config({k: v for t in self.transforms for k, v in t.inductor_config().items()})
-        needs_aot = [t.name for t in self.transforms if t.overrides("transform_aot_graph")]
+            handoff.with_transform_config({k: v for t in self.transforms for k, v in t.inductor_config().items()},
+                                          {k: t.name for t in self.transforms for k in t.inductor_config()})
+        own_compile = [t.name for t in self.transforms if t.overrides("compile_graph")]
+        if len(own_compile) > 1:
+            raise ValueError(f"xform: transforms {own_compile} each compile the graph in their own parts; list one")
+        needs_aot = [t.name for t in self.transforms if t.overrides("transform_aot_graph") or t.overrides("compile_graph")]
         if needs_aot and not handoff.supports_aot_hooks:
             raise ValueError(
-                f"xform: transform(s) {needs_aot} rewrite AOTAutograd graphs, which handoff={handoff.name!r} "
+                f"xform: transform(s) {needs_aot} work on AOTAutograd graphs, which handoff={handoff.name!r} "
                 f"does not produce; use handoff='inductor' or 'eager'"
             )
 
@@ -123,8 +128,14 @@ class Pipeline:
         logger.debug("graph %s after transforms:\n%s", record.graph, graph.gm.code)
 
         start = time.perf_counter()
+        aot_hook = _aot_hook(using("transform_aot_graph"), records)
         try:
-            compiled = self.handoff.compile(graph.gm, graph.example_inputs, _aot_hook(using("transform_aot_graph"), records))
+            compiled = None
+            for t in using("compile_graph"):
+                with _timed(t, records[t.name], "compile_graph"):
+                    compiled = t.compile_graph(graph, partial(self.handoff.compile, aot_hook=aot_hook), records[t.name])
+            if compiled is None:
+                compiled = self.handoff.compile(graph.gm, graph.example_inputs, aot_hook)
         except Exception as error:
             if transform_failure(error) is not None:
                 raise

@@ -16,9 +16,7 @@ T = TypeVar("T", bound=type[Transform])
 
 _REGISTERED: dict[str, type[Transform]] = {}
 
-PLANNED = {
-    "cudagraphs": "issue #5 (CUDA graphs on capture-safe regions)",
-}
+PLANNED: dict[str, str] = {}
 
 
 class TransformNotAvailable(NotImplementedError):

@@ -10,12 +10,16 @@ order), each hook the transform overrides:
    parameters' sources.)
 2. `transform_graph(graph, record)`: the FX graph Dynamo captured (torch-level ops), e.g. rewrite
    attention, insert collectives or casts.
-3. `transform_aot_graph(gm, kind, record)`: the forward/backward graphs after AOTAutograd (aten
+3. `compile_graph(graph, compile, record)`: for a transform that compiles the graph in parts of its
+   own (the CUDA-graph regions): `compile(gm, example_inputs, wrap_inner=None)` hands one part to
+   the handoff, `wrap_inner` wrapping each AOT-compiled function of it. Returns the callable for
+   the whole graph, or None to let the handoff compile it as one. One transform at most.
+4. `transform_aot_graph(gm, kind, record)`: the forward/backward graphs after AOTAutograd (aten
    ops, functionalized), for transforms that need the joint view; `kind` is "forward",
    "backward" or "inference". Only run when some transform overrides it.
-4. `transform_guards(guards, record)`: the graph's expectations of its inputs (`GuardModel`), for
+5. `transform_guards(guards, record)`: the graph's expectations of its inputs (`GuardModel`), for
    changes not made through `replace_parameter`.
-5. `wrap_compiled(compiled, graph, record)`: the compiled callable, for wrappers (CUDA graphs).
+6. `wrap_compiled(compiled, graph, record)`: the compiled callable, for wrappers (CUDA graphs).
 
 Ordering: `must_follow` maps the transforms that, when also listed, must come earlier to the
 reason why; `must_precede` those that must come later. The pipeline checks both and refuses a list
@@ -33,7 +37,8 @@ if TYPE_CHECKING:
     from xform.guards import GuardModel
     from xform.report import TransformRecord
 
-HOOKS = ("transform_parameters", "transform_graph", "transform_aot_graph", "transform_guards", "wrap_compiled")
+HOOKS = ("transform_parameters", "transform_graph", "compile_graph", "transform_aot_graph", "transform_guards",
+         "wrap_compiled")
 
 
 def option_error(transform: str, option: str, value: Any, accepted: str) -> ValueError:
@@ -61,6 +66,11 @@ class Transform:
 
     def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
         """Rewrite the Dynamo FX graph `graph.gm` in place."""
+
+    def compile_graph(self, graph: CapturedGraph, compile: Callable[..., Callable[..., Any]],
+                      record: TransformRecord) -> Callable[..., Any] | None:
+        """Compile `graph.gm` in parts with `compile`; None leaves it to the handoff (see the module docstring)."""
+        return None
 
     def transform_aot_graph(self, gm: fx.GraphModule, kind: str, record: TransformRecord) -> None:
         """Rewrite an AOTAutograd forward/backward/inference graph in place."""

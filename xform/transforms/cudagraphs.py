@@ -1,0 +1,151 @@
+"""`CudaGraphs`: record the capture-safe regions of each graph as CUDA graphs, and explain the rest.
+
+`mode="reduce-overhead"` records a whole graph or nothing, and keeps private memory per recorded
+path. This transform finds, per Dynamo graph, the ops a CUDA graph cannot record
+(`xform.capture_safety`), partitions the rest into maximal regions (`xform.regions`), compiles
+each region with the handoff and records its forward and backward (`xform.replay`: one shared
+pool, outputs copied into buffers of their own inside the graph, never overwritten while held).
+Ops that break a region run as compiled, between the replays; the report names each with the
+user's line, the reason and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from xform.capture_safety import find_breaks, graph_level_reason
+from xform.captured import CapturedGraph
+from xform.registry import register_transform
+from xform.regions import SAFE, RegionPlan, plan_regions
+from xform.replay import GraphedFunction, GraphRecorder, shared_recorder
+from xform.report import TransformRecord
+from xform.transform import Transform, option_error
+
+NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): CUDA graphs need an NVIDIA GPU, so the "
+          "graph runs as compiled, without them")
+
+
+def available_recorder() -> GraphRecorder | None:
+    """The recorder for this process's GPU, or None without one."""
+    return shared_recorder() if torch.cuda.is_available() else None
+
+
+def _storages_of(tensors: Sequence[torch.Tensor]) -> set[int]:
+    """Storage addresses of tensors and, for wrapper subclasses (float8 weights), of their inner tensors."""
+    found: set[int] = set()
+    for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            found |= _storages_of([getattr(t, n) for n in names])
+        elif t.device.type != "meta":
+            found.add(t.untyped_storage().data_ptr())
+    return found
+
+
+def _module_state(modules: Sequence[nn.Module]) -> set[int]:
+    return _storages_of([t for m in modules for t in (*m.parameters(), *m.buffers())])
+
+
+class _LazyRegion(nn.Module):
+    """A region of a split graph, compiled with the inputs of its first call (the previous region's
+    real outputs, so that strides Inductor chose upstream are the ones compiled for)."""
+
+    def __init__(self, gm: fx.GraphModule, compile: Callable[[list[Any]], Callable[..., Any]], name: str) -> None:
+        super().__init__()
+        self.gm, self._compile, self.region_name = gm, compile, name
+        self._compiled: Callable[..., Any] | None = None
+
+    def forward(self, *args: Any) -> Any:
+        if self._compiled is None:
+            try:
+                self._compiled = self._compile(list(args))
+            except Exception as error:
+                raise RuntimeError(f"xform: transform 'cudagraphs': compiling {self.region_name} failed: "
+                                   f"{type(error).__name__}: {error}") from error
+        return self._compiled(*args)
+
+
+@register_transform
+class CudaGraphs(Transform):
+    """Record the capture-safe regions of each graph as CUDA graphs (one shared memory pool)."""
+
+    name = "cudagraphs"
+
+    def __init__(self, *, min_region_ops: int = 4, max_graphs: int = 3, warmup: int = 1) -> None:
+        for option, value, low in (("min_region_ops", min_region_ops, 1), ("max_graphs", max_graphs, 1),
+                                   ("warmup", warmup, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise option_error(self.name, option, value, f"an int >= {low}")
+        self.min_region_ops = min_region_ops
+        self.max_graphs = max_graphs
+        self.warmup = warmup
+        self.functions: list[GraphedFunction] = []  # every recorded region function, with its ReplayStats
+
+    def inductor_config(self) -> dict[str, Any]:
+        return {"triton.cudagraphs": False}  # xform records the graphs; Inductor must not as well
+
+    def compile_graph(self, graph: CapturedGraph, compile: Callable[..., Callable[..., Any]],
+                      record: TransformRecord) -> Callable[..., Any] | None:
+        recorder = available_recorder()
+        if recorder is None:
+            record.skipped("graph", NO_GPU)
+            return None
+        whole = graph_level_reason(graph.gm, recorder.device_type)
+        if whole is not None:
+            record.skipped("graph", whole)
+            return None
+        breaks = find_breaks(graph.gm, graph.module_state, recorder.device_type)
+        for node_break in breaks.values():
+            record.skipped(f"{node_break.op} (node {node_break.node})" + (f" at {node_break.source}" if node_break.source
+                                                                           else ""),
+                           f"{node_break.reason}. Fix: {node_break.fix}")
+        plan = plan_regions(graph.gm, set(breaks), self.min_region_ops)
+        for index, region in enumerate(plan.regions):
+            if region.why_plain:
+                record.skipped(f"region {index} ({region.op_count} ops)", region.why_plain)
+        if not plan.graphed:
+            return None
+        wrap = self._wrapper(recorder, _module_state(graph.root_modules()), record)
+        if len(plan.regions) == 1:
+            record.changed("region", "region 0", f"the whole graph, {plan.regions[0].op_count} ops")
+            return compile(graph.gm, graph.example_inputs, wrap_inner=wrap)
+        return self._split(graph, plan, compile, wrap, record)
+
+    def _wrapper(self, recorder: GraphRecorder, module_storages: set[int],
+                 record: TransformRecord) -> Callable[[Callable[..., Any], str, Sequence[int]], GraphedFunction]:
+        def wrap(compiled: Callable[..., Any], kind: str, static_input_idxs: Sequence[int]) -> GraphedFunction:
+            static = set(static_input_idxs)
+
+            def module_state(index: int, t: torch.Tensor) -> bool:
+                return index in static or isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in module_storages
+
+            function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, module_state,
+                                       warmup=self.warmup, max_graphs=self.max_graphs, on_event=record.note)
+            self.functions.append(function)
+            return function
+
+        return wrap
+
+    def _split(self, graph: CapturedGraph, plan: RegionPlan, compile: Callable[..., Callable[..., Any]],
+               wrap: Callable[..., GraphedFunction], record: TransformRecord) -> Callable[..., Any]:
+        """The graph as one call per region: graphed regions recorded, the others compiled plainly."""
+        split = fuse_by_partitions(graph.gm, [{n: None for n in r.nodes} for r in plan.regions], prefix="xform_region_")
+        for call in [n for n in split.graph.nodes if n.op == "call_module"]:
+            index = int(call.target.rpartition("_")[2])  # fuse_by_partitions names region i "xform_region_i"
+            region, sub = plan.regions[index], getattr(split, call.target)
+            label = f"region {index} ({region.op_count} ops, {region.kind})"
+            wrap_inner = wrap if region.kind == SAFE else None
+            if region.kind == SAFE:
+                record.changed("region", label)
+
+            def compile_region(args: list[Any], sub: fx.GraphModule = sub, wrap_inner: Any = wrap_inner) -> Any:
+                return compile(sub, args, wrap_inner=wrap_inner)
+
+            setattr(split, call.target, _LazyRegion(sub, compile_region, label))
+        split.recompile()
+        return split.forward
