@@ -86,3 +86,67 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))
+
+
+class CachedAttention(nn.Module):
+    """Attention for one decode step, over a static KV cache held as buffers (written in place)."""
+
+    def __init__(self, c: LlamaConfig, batch: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = c.heads, c.dim // c.heads
+        self.wqkv = nn.Linear(c.dim, 3 * c.dim, bias=False)
+        self.wo = nn.Linear(c.dim, c.dim, bias=False)
+        shape = (batch, c.heads, c.max_seq, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.wqkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DecodeLayer(nn.Module):
+    def __init__(self, c: LlamaConfig, batch: int, host_sync: bool) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(c.dim), nn.RMSNorm(c.dim)
+        self.attention, self.feed_forward = CachedAttention(c, batch), FeedForward(c)
+        self.host_sync = host_sync
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), pos, cos, sin, mask)
+        x = x + self.feed_forward(self.ffn_norm(x))
+        if self.host_sync and bool(x.isnan().any().item()):  # a check many models do: waits for the GPU
+            raise FloatingPointError("NaN in the hidden state")
+        return x
+
+
+class DecodeLlama(nn.Module):
+    """The llama-style decoder for token-by-token decoding: `forward(tokens [B, 1], pos [1])` -> logits."""
+
+    def __init__(self, c: LlamaConfig, batch: int, host_sync: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab, c.dim)
+        self.layers = nn.ModuleList(DecodeLayer(c, batch, host_sync) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.dim)
+        self.output = nn.Linear(c.dim, c.vocab, bias=False)
+        head_dim = c.dim // c.heads
+        freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(c.max_seq).float(), freqs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("positions", torch.arange(c.max_seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos[pos], self.sin[pos]
+        mask = (self.positions <= pos)[None, None, None, :]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, pos, cos, sin, mask)
+        return self.output(self.norm(x))

@@ -126,6 +126,11 @@ def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
 def _off_device(node: fx.Node, device_type: str) -> tuple[str, str] | None:
     inputs = _tensors(example_value(a) for a in node.all_input_nodes)
     outputs = _tensors([example_value(node)])
+    leaving = [t.device.type for t in outputs if t.device.type != device_type]
+    if leaving and any(t.device.type == device_type for t in inputs):
+        return (f"it copies a {device_type} tensor to the {leaving[0].upper()}, which waits for the GPU; a CUDA graph "
+                f"records {device_type} work only",
+                f"keep the tensor on the GPU, or move the copy (and what uses it) out of the compiled step")
     for label, tensors in (("its result", outputs), ("an input", inputs)):
         for t in tensors:
             if t.device.type != device_type:
@@ -133,6 +138,17 @@ def _off_device(node: fx.Node, device_type: str) -> tuple[str, str] | None:
                         f"graph records {device_type} work only",
                         f"create the tensor on the GPU (device='{device_type}'), or register it as a buffer of "
                         f"the module so that model.to('{device_type}') moves it")
+    return None
+
+
+def _host_scalar_input(node: fx.Node, _: Any) -> tuple[str, str] | None:
+    for source in node.all_input_nodes:
+        value = example_value(source)
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and free_unbacked_symbols(value):
+            return (f"it uses '{source.name}', a number read from the GPU on the host (.item()); a recorded graph "
+                    f"would keep the value it had when recorded",
+                    "keep the value a tensor on the GPU (drop the .item() and use the 0-d tensor), or move the "
+                    "computation out of the compiled step")
     return None
 
 
@@ -157,7 +173,8 @@ _VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "ex
           "split", "chunk", "unbind", "movedim", "diagonal", "detach"}
 
 
-def _is_in_place(node: fx.Node) -> bool:
+def is_in_place(node: fx.Node) -> bool:
+    """Whether the op writes into its first argument (add_, copy_, index_copy_, x[i] = v)."""
     if node.target is operator.setitem:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
@@ -166,21 +183,19 @@ def _is_in_place(node: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
-def _root_input(node: Any) -> fx.Node | None:
-    """The placeholder `node` is a view of, if it is one."""
-    while isinstance(node, fx.Node) and node.op != "placeholder":
-        if node.op not in OPS or _target_name(node) not in _VIEWS or not node.args:
-            return None
+def alias_base(node: fx.Node) -> fx.Node:
+    """The node whose memory `node` views (itself when it is no view)."""
+    while node.op in OPS and _target_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
-    return node if isinstance(node, fx.Node) else None
+    return node
 
 
 def _writes_graph_input(module_state: set[fx.Node]) -> Callable[[fx.Node, Any], tuple[str, str] | None]:
     def check(node: fx.Node, _: Any) -> tuple[str, str] | None:
-        if not _is_in_place(node) or not node.args:
+        if not is_in_place(node) or not node.args or not isinstance(node.args[0], fx.Node):
             return None
-        root = _root_input(node.args[0])
-        if root is None or root in module_state:
+        root = alias_base(node.args[0])
+        if root.op != "placeholder" or root in module_state:
             return None
         return (f"it writes in place into the graph input '{root.name}', but a replay reads that input from the "
                 f"graph's own copy, so the tensor you passed would not change",
@@ -196,7 +211,8 @@ def find_breaks(gm: fx.GraphModule, module_state: set[fx.Node], device_type: str
     `module_state` holds the placeholders of the model's parameters and buffers (stable addresses,
     written in place); `device_type` is the device whose work is recorded.
     """
-    checks = (_host_read, _marked_unsafe, _user_generator, _off_device, _symbolic, _writes_graph_input(module_state))
+    checks = (_host_read, _marked_unsafe, _user_generator, _off_device, _host_scalar_input, _symbolic,
+              _writes_graph_input(module_state))
     breaks: dict[fx.Node, CaptureBreak] = {}
     for node in gm.graph.nodes:
         if node.op not in OPS:

@@ -54,6 +54,11 @@ class CudaGraphRecorder:
     def __init__(self) -> None:
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream()
+        # the allocator frees a pool when its last graph goes; an empty graph held here keeps it
+        # for the graphs recorded later (as CUDA Graph Trees do)
+        self._keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._keeper, pool=self._pool, stream=self._stream):
+            pass
 
     def record(self, run: Callable[[list[Any]], None], inputs: list[Any], copied: set[int]) -> Callable[[list[Any]], None]:
         graph = torch.cuda.CUDAGraph()
@@ -151,7 +156,8 @@ class _Recording:
     def matches(self, args: list[Any], in_place_idxs: list[int]) -> bool:
         """Whether `args` have this recording's signature: same in-place addresses, same metadata."""
         return (_addresses_match(args, self.ptrs, in_place_idxs)
-                and all(_meta(args[i]) == meta for i, meta in self.metas.items()))
+                and all((_meta(a) if isinstance(a := args[i], torch.Tensor) else a) == meta
+                        for i, meta in self.metas.items()))
 
     def outputs_free(self) -> bool:
         """No one but this recording holds its output buffers (so a replay overwrites nothing in use)."""
@@ -190,7 +196,7 @@ class GraphedFunction:
     def __call__(self, args: list[Any]) -> list[Any]:
         if self.stats.fallback is not None or self._warmup > 0:
             return self._uncaptured(args, learn=self._warmup > 0)
-        recording = next((r for r in self._recordings if r.matches(args, self._in_place_idxs) and r.outputs_free()),
+        recording = next((r for r in self._recordings if r.outputs_free() and r.matches(args, self._in_place_idxs)),
                          None)
         if recording is None:
             if len(self._recordings) >= self._max_graphs:
@@ -299,8 +305,9 @@ class GraphedFunction:
             return None
         in_place = set(self._in_place_idxs)
         ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
-        metas = {i: _meta(a) for i, a in enumerate(args)
-                 if isinstance(a, torch.Tensor) and i not in self._module_state_idxs}
+        # numbers are recorded as constants: a different value needs a recording of its own
+        metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
+                 if i not in self._module_state_idxs}
         recording = _Recording(ptrs, metas, copy_idxs, buffers, outputs, replay)
         self._recordings.append(recording)
         self.stats.recordings += 1

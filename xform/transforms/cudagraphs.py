@@ -11,6 +11,7 @@ user's line, the reason and the fix.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,20 +36,29 @@ def available_recorder() -> GraphRecorder | None:
     return shared_recorder() if torch.cuda.is_available() else None
 
 
-def _storages_of(tensors: Sequence[torch.Tensor]) -> set[int]:
-    """Storage addresses of tensors and, for wrapper subclasses (float8 weights), of their inner tensors."""
-    found: set[int] = set()
+Layout = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def _layout(t: torch.Tensor) -> Layout:
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
+def _layouts_of(tensors: Sequence[torch.Tensor]) -> set[Layout]:
+    """Address, size and stride of tensors and, for wrapper subclasses (float8 weights), of their
+    inner tensors: what identifies a parameter or buffer (a view of one, at another offset or size,
+    is an ordinary input)."""
+    found: set[Layout] = set()
     for t in tensors:
         if is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
-            found |= _storages_of([getattr(t, n) for n in names])
+            found |= _layouts_of([getattr(t, n) for n in names])
         elif t.device.type != "meta":
-            found.add(t.untyped_storage().data_ptr())
+            found.add(_layout(t))
     return found
 
 
-def _module_state(modules: Sequence[nn.Module]) -> set[int]:
-    return _storages_of([t for m in modules for t in (*m.parameters(), *m.buffers())])
+def _module_state(modules: Sequence[nn.Module]) -> set[Layout]:
+    return _layouts_of([t for m in modules for t in (*m.parameters(), *m.buffers())])
 
 
 class _LazyRegion(nn.Module):
@@ -57,6 +67,11 @@ class _LazyRegion(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, compile: Callable[[list[Any]], Callable[..., Any]], name: str) -> None:
         super().__init__()
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        self._single = not isinstance(output.args[0], (tuple, list))
+        if self._single:  # AOTAutograd compiles graphs that return tuples
+            output.args = ((output.args[0],),)
+            gm.recompile()
         self.gm, self._compile, self.region_name = gm, compile, name
         self._compiled: Callable[..., Any] | None = None
 
@@ -67,7 +82,8 @@ class _LazyRegion(nn.Module):
             except Exception as error:
                 raise RuntimeError(f"xform: transform 'cudagraphs': compiling {self.region_name} failed: "
                                    f"{type(error).__name__}: {error}") from error
-        return self._compiled(*args)
+        results = self._compiled(*args)
+        return results[0] if self._single else results
 
 
 @register_transform
@@ -116,15 +132,15 @@ class CudaGraphs(Transform):
             return compile(graph.gm, graph.example_inputs, wrap_inner=wrap)
         return self._split(graph, plan, compile, wrap, record)
 
-    def _wrapper(self, recorder: GraphRecorder, module_storages: set[int],
+    def _wrapper(self, recorder: GraphRecorder, module_state: set[Layout],
                  record: TransformRecord) -> Callable[[Callable[..., Any], str, Sequence[int]], GraphedFunction]:
         def wrap(compiled: Callable[..., Any], kind: str, static_input_idxs: Sequence[int]) -> GraphedFunction:
             static = set(static_input_idxs)
 
-            def module_state(index: int, t: torch.Tensor) -> bool:
-                return index in static or isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in module_storages
+            def is_module_state(index: int, t: torch.Tensor) -> bool:
+                return index in static or isinstance(t, nn.Parameter) or _layout(t) in module_state
 
-            function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, module_state,
+            function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, is_module_state,
                                        warmup=self.warmup, max_graphs=self.max_graphs, on_event=record.note)
             self.functions.append(function)
             return function
@@ -135,8 +151,17 @@ class CudaGraphs(Transform):
                wrap: Callable[..., GraphedFunction], record: TransformRecord) -> Callable[..., Any]:
         """The graph as one call per region: graphed regions recorded, the others compiled plainly."""
         split = fuse_by_partitions(graph.gm, [{n: None for n in r.nodes} for r in plan.regions], prefix="xform_region_")
-        for call in [n for n in split.graph.nodes if n.op == "call_module"]:
-            index = int(call.target.rpartition("_")[2])  # fuse_by_partitions names region i "xform_region_i"
+        # fuse_by_partitions names region i "xform_region_i" and orders the calls by data alone;
+        # put them in the plan's order, which also keeps in-place writes and reads in order
+        calls = sorted((n for n in split.graph.nodes if n.op == "call_module"), key=lambda n: int(n.target.rpartition("_")[2]))
+        last = next(n for n in reversed(split.graph.nodes) if n.op == "placeholder")
+        for call in calls:
+            for node in (call, *[u for u in call.users if u.target is operator.getitem]):
+                last.append(node)
+                last = node
+        split.graph.lint()
+        for call in calls:
+            index = int(call.target.rpartition("_")[2])
             region, sub = plan.regions[index], getattr(split, call.target)
             label = f"region {index} ({region.op_count} ops, {region.kind})"
             wrap_inner = wrap if region.kind == SAFE else None

@@ -1,0 +1,189 @@
+"""CUDA graphs: xform's `cudagraphs` transform against Inductor without graphs and `mode="reduce-overhead"`.
+
+Every configuration runs in a process of its own (memory peaks and graph pools do not mix), one
+after another on the same GPU:
+
+- decode: the llama-style decoder (16 layers, dim 2048, static KV cache of 1024, bf16), one token
+  a step, batch 1 and 8, as written and with a host sync (`.item()`) in every layer; ms a step.
+- memory: peak reserved GPU memory over the same run without CUDA graphs, where graph pools cost:
+  `train-breaks` (an 8-layer training step with a graph break after every layer) and `buckets`
+  (inference at four batch sizes, each its own recorded graph, as servers record them).
+
+    python bench/cudagraphs.py [--out DIR] [--only decode]   # all of it, or part (needs a CUDA GPU)
+    python bench/cudagraphs.py --one decode:sync:1:xform   # one configuration, prints its JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import print_table, write_result  # noqa: E402
+from bench.models import DecodeLlama, Llama, LlamaConfig  # noqa: E402
+
+CONFIGS = ("inductor", "reduce-overhead", "xform")
+DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync") for b in (1, 8) for c in CONFIGS]
+MEMORY = [f"memory:{w}:{c}" for w in ("train-breaks", "buckets") for c in CONFIGS]
+
+
+def compiled(model: torch.nn.Module, config: str) -> Callable[..., Any]:
+    if config == "inductor":
+        return torch.compile(model)
+    if config == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
+    return torch.compile(model, backend="xform", options={"transforms": ["cudagraphs"]})
+
+
+def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int = 5) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = DecodeLlama(LlamaConfig(), batch, host_sync=variant == "sync").to("cuda", torch.bfloat16).eval()
+    step = compiled(model, config)
+    tokens = torch.randint(32000, (batch, 1), device="cuda")
+    positions = torch.arange(1024, device="cuda")
+    times = []
+    with torch.no_grad():
+        for i in range(5):
+            step(tokens, positions[i:i + 1])
+        for _ in range(repeats):  # the median of several runs of `steps` steps, positions 5.. each time
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(steps):
+                logits = step(tokens, positions[5 + i:6 + i])
+                tokens = logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3 / steps)
+    return {"ms_per_step": round(statistics.median(times), 3), "runs_ms": [round(t, 3) for t in times],
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
+
+
+class BrokenLlama(Llama):
+    """The llama with a graph break after every layer (a print, a logging call, an unsupported op)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        cos, sin = self.cos[:s], self.sin[:s]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+            torch._dynamo.graph_break()
+        return self.output(self.norm(x))
+
+
+def memory(workload: str, config: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    c = LlamaConfig(layers=8, max_seq=512)
+    if workload == "train-breaks":
+        model = BrokenLlama(c).to("cuda", torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        step = compiled(model, config)
+        tokens = torch.randint(c.vocab, (4, 512), device="cuda")
+
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            step(tokens).float().square().mean().backward()
+            optimizer.step()
+
+        calls = [run] * 8
+    else:
+        model = Llama(c).to("cuda", torch.bfloat16).eval()
+        step = compiled(model, config)
+        batches = [torch.randint(c.vocab, (b, 256), device="cuda") for b in (1, 2, 4, 8)]
+
+        def infer(tokens: torch.Tensor) -> Callable[[], None]:
+            def run() -> None:
+                with torch.no_grad():
+                    step(tokens)
+            return run
+
+        calls = [infer(t) for t in batches] * 4
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    return {"seconds": round(time.perf_counter() - start, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+
+
+def run_one(spec: str) -> dict[str, Any]:
+    kind, *rest = spec.split(":")
+    if kind == "decode":
+        variant, batch, config = rest
+        result = decode(variant, int(batch), config)
+    else:
+        workload, config = rest
+        result = memory(workload, config)
+    return {"spec": spec, **result}
+
+
+def run_all(specs: list[str], out: Path | None) -> list[dict[str, Any]]:
+    rows = []
+    for spec in specs:
+        done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), None)
+        row = json.loads(line) if line and done.returncode == 0 else {"spec": spec, "error": done.stderr[-2000:]}
+        print(json.dumps(row)[:400], flush=True)
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per decode case: each configuration's ms and xform / reduce-overhead; per memory workload:
+    each configuration's peak reserved memory over Inductor's, and xform's overhead / reduce-overhead's."""
+    by_spec = {r["spec"]: r for r in rows}
+    table = []
+    for case in sorted({s.rsplit(":", 1)[0] for s in by_spec}):
+        got = {c: by_spec.get(f"{case}:{c}", {}) for c in CONFIGS}
+        if case.startswith("decode"):
+            ms = {c: got[c].get("ms_per_step") for c in CONFIGS}
+            ratio = round(ms["xform"] / ms["reduce-overhead"], 3) if ms["xform"] and ms["reduce-overhead"] else None
+            table.append({"case": case, **{f"{c} ms": ms[c] for c in CONFIGS}, "xform/reduce-overhead": ratio})
+        else:
+            peak = {c: got[c].get("peak_reserved_gib") for c in CONFIGS}
+            base = peak["inductor"]
+            over = {c: round(peak[c] - base, 3) if peak[c] is not None and base is not None else None for c in CONFIGS}
+            ratio = (round(over["xform"] / over["reduce-overhead"], 3)
+                     if over["xform"] is not None and over["reduce-overhead"] else None)
+            table.append({"case": case, **{f"{c} GiB": peak[c] for c in CONFIGS},
+                          "overhead xform/reduce-overhead": ratio,
+                          **{f"{c} s": got[c].get("seconds") for c in CONFIGS}})
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--one", help="run one configuration in this process and print its JSON")
+    parser.add_argument("--only", help="run only the configurations whose name contains this (e.g. decode, :8:)")
+    parser.add_argument("--out", type=Path, help="directory for the JSON result (default bench/results)")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one)))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench/cudagraphs.py needs a CUDA GPU")
+    specs = [s for s in DECODE + MEMORY if args.only is None or args.only in s]
+    rows = run_all(specs, args.out)
+    table = summarize(rows)
+    for part in ("decode", "memory"):
+        part_rows = [r for r in table if r["case"].startswith(part)]
+        if part_rows:
+            print_table(part_rows, list(part_rows[0]))
+    name = "cudagraphs" + ("-" + args.only.strip(":").replace(":", "-") if args.only else "")
+    print("wrote", write_result(name, rows, args.out, summary=table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""The cudagraphs transform on the CPU: capture-safety analysis, region partitioning, explanations,
+and the replay rules (signatures, held outputs, failed recordings) with a simulated recorder.
+
+The simulated recorder gives a recorded graph's semantics without a GPU: a replay runs what was
+recorded on the same input and output buffers, reading in-place inputs where they are now. With it
+the CPU is the recorded device, so every path of the runtime runs here; the CUDA-only part (the
+one pool, real capture failures) is in test_cudagraphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import xform
+import xform.transforms.cudagraphs as cudagraphs
+from xform.capture_safety import find_breaks
+from xform.fxgraph import quotient_is_acyclic, to_digraph
+from xform.regions import plan_regions
+from xform.transforms import CudaGraphs
+
+
+class SimulatedRecorder:
+    device_type = "cpu"
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+        self.recorded = 0
+
+    def record(self, run, inputs, copied):
+        if self.fail is not None:
+            raise self.fail
+        self.recorded += 1
+        buffers = {i: inputs[i] for i in copied}
+
+        def replay(args):
+            run([buffers.get(i, a) for i, a in enumerate(args)])
+
+        return replay
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    sim = SimulatedRecorder()
+    monkeypatch.setattr(cudagraphs, "available_recorder", lambda: sim)
+    return sim
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.LayerNorm(8))
+
+
+def compiled(model, transform, handoff="eager"):
+    return torch.compile(model, backend=xform.Backend([transform], handoff=handoff))
+
+
+# --- without a GPU ----------------------------------------------------------------------------
+
+
+def test_without_a_gpu_the_transform_is_a_no_op_that_says_why():
+    model = mlp()
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(compiled(model, CudaGraphs())(x), model(x))
+    (skip,) = xform.report(model).skips("cudagraphs")
+    assert skip.target == "graph" and skip.reason.startswith("no CUDA device here (torch.cuda.is_available() is False)")
+
+
+# --- analysis on graphs traced with fake CUDA tensors -----------------------------------------
+
+
+def test_fake_cuda_graph_breaks_name_the_op_the_reason_and_the_fix():
+    def f(x):
+        a = (x.sin() + 1) @ x
+        return a.cpu() * 2, a.cos() * 3
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(4, 4, device="cuda")
+    gm = make_fx(f, tracing_mode="fake")(x)
+    breaks = {n.name: b for n, b in find_breaks(gm, set()).items()}
+    assert set(breaks) == {"_to_copy", "mul"}
+    assert breaks["_to_copy"].reason.startswith("it copies a cuda tensor to the CPU, which waits for the GPU")
+    assert breaks["_to_copy"].fix.startswith("keep the tensor on the GPU")
+    assert breaks["mul"].reason.startswith("it runs on the CPU: its result is a cpu tensor")
+    plan = plan_regions(gm, {n for n in gm.graph.nodes if n.name in breaks}, min_ops=1)
+    assert [(r.kind, [n.name for n in r.nodes]) for r in plan.regions] == [
+        ("graphed", ["sin", "add", "mm", "cos", "mul_1"]), ("plain", ["_to_copy", "mul"])]
+
+
+# --- partitioning -----------------------------------------------------------------------------
+
+
+def _traced(fn):
+    return fx.symbolic_trace(fn)
+
+
+def _plan(gm, unsafe_names, min_ops=1):
+    unsafe = {n for n in gm.graph.nodes if n.name in unsafe_names}
+    plan = plan_regions(gm, unsafe, min_ops)
+    dag = to_digraph(gm.graph)
+    assert quotient_is_acyclic(dag, [r.nodes for r in plan.regions])
+    return [(r.kind, {n.name for n in r.nodes}) for r in plan.regions]
+
+
+def test_regions_around_a_break_never_form_a_cycle():
+    def diamond(x):
+        a = x.sin()
+        u = a.cos()  # the unsafe op
+        return (a + u).exp()  # reads a directly and through u: a and add cannot share a region
+
+    assert _plan(_traced(diamond), {"cos"}) == [("graphed", {"sin"}), ("plain", {"cos"}), ("graphed", {"add", "exp"})]
+
+
+def test_independent_branches_join_one_region():
+    def branches(x, y):
+        u = y.cos()  # unsafe, on a branch of its own
+        return x.sin().exp() + 1, u * 2, x.tanh()
+
+    # u * 2 depends on the break only, and the rest not at all: one region holds every safe op
+    assert _plan(_traced(branches), {"cos"}) == [("plain", {"cos"}), ("graphed", {"sin", "exp", "add", "mul", "tanh"})]
+
+
+def test_regions_below_the_threshold_stay_plain_with_the_reason():
+    def f(x):
+        return x.sin().cos().exp().relu().neg() + x.abs()
+
+    gm = _traced(f)
+    plan = plan_regions(gm, {n for n in gm.graph.nodes if n.name == "relu"}, min_ops=3)
+    kinds = [(r.kind, r.op_count, r.why_plain) for r in plan.regions]
+    assert kinds[0] == ("graphed", 4, None)  # sin, cos, exp and abs (abs joins: nothing unsafe lies between)
+    assert kinds[1][0] == "plain" and kinds[1][1] == 3  # relu, then neg and add merged in: 2 ops are too few
+    assert plan.regions[1].why_plain is None  # it holds the break, which explains it
+
+
+# --- the replay rules, on a simulated recorder -------------------------------------------------
+
+
+@pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_replays_match_eager_in_inference_and_training(recorder, handoff):
+    model, transform = mlp(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform, handoff)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(step(x), model(x))
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        step(x).square().mean().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad)
+    stats = {f.stats.name.split()[0]: f.stats for f in transform.functions}
+    assert stats["inference"].replays == 3
+    assert stats["forward"].recordings == 1 and stats["forward"].replays == 3  # the backward freed its outputs
+    assert stats["backward"].recordings == 1 and stats["backward"].replays == 3
+    assert xform.report(model).changes("cudagraphs")[0].detail.startswith("the whole graph")
+
+
+def test_held_outputs_are_never_overwritten(recorder):
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1, max_graphs=2)
+    step = compiled(model, transform)
+    inputs = [torch.randn(4, 8) for _ in range(5)]
+    with torch.no_grad():
+        outputs = [step(x) for x in inputs]  # every output still held when the next call runs
+        for x, out in zip(inputs, outputs):
+            torch.testing.assert_close(out, model(x))
+    stats = transform.functions[0].stats
+    assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (2, 2, 2)
+    notes = [n for g in xform.report(model).graphs for t in g.transforms for n in t.notes]
+    assert any("all 2 recordings were busy" in n for n in notes)
+
+
+def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            step(x)
+        model[0].weight.data = torch.randn(32, 8)  # a new address; Dynamo's guards do not see it
+        torch.testing.assert_close(step(x), model(x))
+    assert transform.functions[0].stats.recordings == 2
+
+
+def test_a_failed_recording_falls_back_and_strict_mode_raises(monkeypatch):
+    sim = SimulatedRecorder(fail=RuntimeError("operation not permitted when stream is capturing"))
+    monkeypatch.setattr(cudagraphs, "available_recorder", lambda: sim)
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(step(x), model(x))
+    assert transform.functions[0].stats.fallback == ("recording failed: RuntimeError: operation not permitted when "
+                                                     "stream is capturing")
+    notes = [n for g in xform.report(model).graphs for t in g.transforms for n in t.notes]
+    assert notes == ["inference 0: runs uncaptured from now on: recording failed: RuntimeError: operation not "
+                     "permitted when stream is capturing"]
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("XFORM_STRICT", "1")
+    strict_step = compiled(mlp().eval(), CudaGraphs(min_region_ops=1))
+    with torch.no_grad():
+        strict_step(x)  # the warm-up runs uncaptured
+        with pytest.raises(RuntimeError, match="stream is capturing"):
+            strict_step(x)
+
+
+def test_a_host_read_inside_the_graph_splits_it_and_is_explained(recorder, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+
+    def f(x, w):
+        h = torch.relu(x @ w) * 2 + 1
+        scale = h.max().item()
+        return (h / scale).sin().cos() @ w
+
+    transform = CudaGraphs(min_region_ops=2)
+    step = compiled(f, transform)
+    w = torch.randn(8, 8)
+    for _ in range(4):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(step(x, w), f(x, w))
+    (item,) = [s for s in xform.report(f).skips("cudagraphs") if "item" in s.target]
+    assert item.target.startswith("Tensor.item (node item) at test_cudagraphs.py:")
+    assert item.target.endswith("in f: scale = h.max().item()")
+    assert item.reason.startswith(".item() copies a GPU value into Python, which waits for the GPU. Fix: keep the value")
+    graphed = [c for c in xform.report(f).changes("cudagraphs")]
+    assert len(graphed) == 2 and all("graphed" in c.target for c in graphed)
+    assert len(transform.functions) == 2 and all(fn.stats.replays == 3 for fn in transform.functions)  # after the warm-up
+    truediv = next(s for s in xform.report(f).skips("cudagraphs") if "truediv" in s.target)
+    assert truediv.reason.startswith("it uses 'item', a number read from the GPU on the host")
+
+
+def test_dynamic_shapes_leave_the_graph_unrecorded_and_say_so(recorder):
+    model = mlp()
+    step = torch.compile(model, backend=xform.Backend([CudaGraphs()], handoff="eager"), dynamic=True)
+    step(torch.randn(4, 8))
+    (skip,) = xform.report(model).skips("cudagraphs")
+    assert skip.reason.startswith("the graph was compiled for dynamic shapes (s") and "dynamic=False" in skip.reason
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, out):
+        self.calls.add_(1)  # a buffer: recorded in place
+        out.copy_(x.sin() * self.calls)  # an argument: a replay would write the graph's own copy
+        return out.cos().exp().relu()
+
+
+def test_writing_into_an_argument_is_a_break_but_into_a_buffer_is_not(recorder):
+    model = Counter()
+    step = compiled(model, CudaGraphs(min_region_ops=1))
+    x, out = torch.randn(4), torch.zeros(4)
+    result = step(x, out)
+    torch.testing.assert_close(out, x.sin())
+    torch.testing.assert_close(result, out.cos().exp().relu())
+    (skip,) = xform.report(model).skips("cudagraphs")
+    assert skip.target.startswith("Tensor.copy_ (node copy_) at test_cudagraphs.py:")
+    assert skip.reason.startswith("it writes in place into the graph input 'l_out_'")
+
+
+GENERATOR = torch.Generator().manual_seed(0)
+
+
+def test_a_user_generator_and_an_op_tagged_unsafe_are_breaks():
+    @torch.library.custom_op("xform_test::tagged", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+    def tagged(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def f(x):
+        return torch.ops.xform_test.tagged.default(x) + torch.rand(x.shape, generator=GENERATOR)
+
+    gm = _traced(f)
+    breaks = {b.node: b for b in find_breaks(gm, set(), device_type="cpu").values()}
+    assert breaks["rand"].reason.startswith("it draws random numbers from a torch.Generator you passed")
+    assert breaks["tagged_default"].reason == "its author tagged xform_test.tagged.default torch.Tag.cudagraph_unsafe"
+
+
+# --- options and conflicts ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option, value", [("min_region_ops", 0), ("max_graphs", "3"), ("warmup", True)])
+def test_bad_options_name_the_option_and_what_is_accepted(option, value):
+    with pytest.raises(ValueError, match=rf"transform 'cudagraphs': option {option}={value!r} is not accepted; "
+                                         rf"accepted: an int >= 1"):
+        CudaGraphs(**{option: value})
+
+
+def test_reduce_overhead_mode_with_the_transform_is_refused():
+    with pytest.raises(ValueError, match=r"transform 'cudagraphs' needs Inductor's triton.cudagraphs=False, but the "
+                                         r"mode or options ask for True \(mode='reduce-overhead' records CUDA graphs"):
+        xform.Backend(["cudagraphs"], mode="reduce-overhead")

@@ -1,0 +1,107 @@
+"""The cudagraphs transform on a CUDA GPU (run on the device machine): recorded, replayed, correct."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import xform
+from xform.transforms import CudaGraphs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)).cuda()
+
+
+def test_inference_replays_and_matches_eager():
+    model, transform = mlp().eval(), CudaGraphs()
+    step = torch.compile(model, backend=xform.Backend([transform]))
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(step(x), model(x), atol=1e-4, rtol=1e-4)
+    (function,) = transform.functions
+    assert function.stats.replays == 5 and function.stats.recordings <= 2 and function.stats.fallback is None
+
+
+def test_held_outputs_are_never_overwritten():
+    model, transform = mlp().eval(), CudaGraphs()
+    step = torch.compile(model, backend=xform.Backend([transform]))
+    inputs = [torch.randn(8, 64, device="cuda") for _ in range(5)]
+    with torch.no_grad():
+        outputs = [step(x) for x in inputs]  # all held at once
+        for x, out in zip(inputs, outputs):
+            torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+    stats = transform.functions[0].stats
+    assert stats.recordings == 3 and stats.uncaptured_calls == 1  # warm-up, 3 recordings, then all busy
+
+
+def test_training_step_records_forward_and_backward():
+    torch.manual_seed(0)
+    model, reference, transform = mlp(), None, CudaGraphs()
+    reference = mlp()
+    reference.load_state_dict(model.state_dict())
+    step = torch.compile(model, backend=xform.Backend([transform]))
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda")
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        step(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)
+    kinds = {f.stats.name.split()[0]: f.stats for f in transform.functions}
+    assert kinds["forward"].replays == 3 and kinds["backward"].replays == 3
+
+
+def test_a_host_read_inside_the_graph_splits_it_into_regions(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+
+    def f(x, w):
+        h = torch.relu(x @ w) * 2 + 1
+        scale = h.max().item()
+        return (h / scale).sin().cos() @ w
+
+    transform = CudaGraphs(min_region_ops=2)
+    step = torch.compile(f, backend=xform.Backend([transform]))
+    w = torch.randn(64, 64, device="cuda")
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(step(x, w), f(x, w), atol=1e-4, rtol=1e-4)
+    (skip,) = [s for s in xform.report(f).skips("cudagraphs") if "item" in s.target]
+    assert "test_cudagraphs_gpu.py" in skip.target and "scale = h.max().item()" in skip.target
+    assert sum(fn.stats.replays for fn in transform.functions) >= 3
+
+
+@torch.library.custom_op("xform_test::host_scale", mutates_args=())
+def host_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * float(x.abs().max().item())  # reads the GPU on the host: cannot be recorded
+
+
+@host_scale.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_recording_that_fails_falls_back_and_the_step_completes(monkeypatch):
+    def f(x):
+        return host_scale(torch.relu(x) + 1).sin().cos()
+
+    transform = CudaGraphs(min_region_ops=1)
+    step = torch.compile(f, backend=xform.Backend([transform]))
+    for _ in range(3):
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(step(x), f(x))
+    (function,) = transform.functions
+    assert function.stats.fallback.startswith("recording failed")
+    assert any("recording failed" in n for n in xform.report(f).graphs[0].transforms[0].notes)
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("XFORM_STRICT", "1")
+    strict_step = torch.compile(f, backend=xform.Backend([CudaGraphs(min_region_ops=1)]))
+    strict_step(torch.randn(8, 64, device="cuda"))  # warm-up: uncaptured
+    with pytest.raises(Exception, match="captur"):
+        strict_step(torch.randn(8, 64, device="cuda"))
