@@ -37,12 +37,28 @@ DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync") for b in (1, 8) for c
 MEMORY = [f"memory:{w}:{c}" for w in ("train-breaks", "buckets") for c in CONFIGS]
 
 
+TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
+
+
 def compiled(model: torch.nn.Module, config: str) -> Callable[..., Any]:
     if config == "inductor":
         return torch.compile(model)
     if config == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
-    return torch.compile(model, backend="xform", options={"transforms": ["cudagraphs"]})
+    import xform
+    from xform.transforms import CudaGraphs
+
+    TRANSFORMS.append(CudaGraphs())
+    return torch.compile(model, backend=xform.Backend(TRANSFORMS))
+
+
+def replay_stats() -> dict[str, int]:
+    """Totals over xform's recorded functions: what was recorded, replayed and run uncaptured."""
+    functions = [f for t in TRANSFORMS for f in t.functions]
+    return {"functions": len(functions), "recordings": sum(f.stats.recordings for f in functions),
+            "replays": sum(f.stats.replays for f in functions),
+            "uncaptured_calls": sum(f.stats.uncaptured_calls for f in functions),
+            "fallbacks": sum(f.stats.fallback is not None for f in functions)}
 
 
 def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int = 5) -> dict[str, Any]:
@@ -125,7 +141,7 @@ def run_one(spec: str) -> dict[str, Any]:
     else:
         workload, config = rest
         result = memory(workload, config)
-    return {"spec": spec, **result}
+    return {"spec": spec, **result, **({"xform": replay_stats()} if TRANSFORMS else {})}
 
 
 def run_all(specs: list[str], out: Path | None) -> list[dict[str, Any]]:

@@ -172,7 +172,7 @@ def test_held_outputs_are_never_overwritten(recorder):
     stats = transform.functions[0].stats
     assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (2, 2, 2)
     notes = [n for g in xform.report(model).graphs for t in g.transforms for n in t.notes]
-    assert any("all 2 recordings were busy" in n for n in notes)
+    assert any("all 2 recordings of this signature had their outputs still held (max_graphs=2)" in n for n in notes)
 
 
 def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):
@@ -287,7 +287,8 @@ def test_a_user_generator_and_an_op_tagged_unsafe_are_breaks():
 # --- options and conflicts ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option, value", [("min_region_ops", 0), ("max_graphs", "3"), ("warmup", True)])
+@pytest.mark.parametrize("option, value", [("min_region_ops", 0), ("max_graphs", "3"), ("max_signatures", 0.5),
+                                           ("warmup", True)])
 def test_bad_options_name_the_option_and_what_is_accepted(option, value):
     with pytest.raises(ValueError, match=rf"transform 'cudagraphs': option {option}={value!r} is not accepted; "
                                          rf"accepted: an int >= 1"):
@@ -298,3 +299,27 @@ def test_reduce_overhead_mode_with_the_transform_is_refused():
     with pytest.raises(ValueError, match=r"transform 'cudagraphs' needs Inductor's triton.cudagraphs=False, but the "
                                          r"mode or options ask for True \(mode='reduce-overhead' records CUDA graphs"):
         xform.Backend(["cudagraphs"], mode="reduce-overhead")
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.linear(x)) + x
+        if x.isnan().any().item():  # a graph break: each layer becomes a call of one compiled graph
+            raise FloatingPointError("NaN")
+        return x
+
+
+def test_one_graph_serving_many_layers_records_each_layer(recorder):
+    model, transform = nn.Sequential(*[Layer() for _ in range(6)]).eval(), CudaGraphs()
+    step = compiled(model, transform)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(step(x), model(x))
+    layer_graph = next(f for f in transform.functions if f.stats.recordings > 1)
+    # warm-up on the first layer's call, then one recording per layer's parameters, all replayed
+    assert (layer_graph.stats.recordings, layer_graph.stats.uncaptured_calls) == (6, 0)

@@ -14,14 +14,17 @@ inputs and the sizes, strides and dtypes of the copied ones. A new signature rec
 Outputs are never overwritten while someone holds them: a graph's outputs are handed out as
 aliases of its output buffers, and before a replay the graph checks (by the buffers' storage use
 counts) that nobody holds the previous ones; if someone does, another recording of the same
-signature (with buffers of its own) replays instead, up to `max_graphs`, after which the call runs
-the compiled function uncaptured. A recording that fails leaves the region uncaptured for good;
+signature (with buffers of its own) replays instead, up to `max_graphs` per signature, after which
+the call runs the compiled function uncaptured. One compiled function may serve many signatures
+(Dynamo compiles a layer's code once for all the layers, each with its own parameters), up to
+`max_signatures`. A recording that fails leaves the region uncaptured for good;
 the report says why. Each step still completes.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -56,14 +59,30 @@ class CudaGraphRecorder:
         self._stream = torch.cuda.Stream()
         # the allocator frees a pool when its last graph goes; an empty graph held here keeps it
         # for the graphs recorded later (as CUDA Graph Trees do)
-        self._keeper = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._keeper, pool=self._pool, stream=self._stream):
-            pass
+        self._keeper = self._empty_graph()
+
+    def _empty_graph(self) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                pass
+        return graph
+
+    def _recover(self) -> None:
+        """After a failed capture: a capture that ends cleanly puts the RNG generators (left in
+        capture mode by the failed one) back into normal use."""
+        torch.cuda.synchronize()
+        self._empty_graph()
 
     def record(self, run: Callable[[list[Any]], None], inputs: list[Any], copied: set[int]) -> Callable[[list[Any]], None]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            run(inputs)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                run(inputs)
+        except Exception:
+            self._recover()
+            raise
 
         def replay(_: list[Any]) -> None:
             graph.replay()
@@ -178,7 +197,7 @@ class GraphedFunction:
 
     def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], name: str, recorder: GraphRecorder,
                  module_state: Callable[[int, torch.Tensor], bool], *, warmup: int = 1, max_graphs: int = 3,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 max_signatures: int = 64, on_event: Callable[[str], None] | None = None) -> None:
         self.compiled = compiled
         self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy only those
         self.stats = ReplayStats(name)
@@ -186,7 +205,8 @@ class GraphedFunction:
         self._module_state = module_state
         self._module_state_idxs: set[int] = set()
         self._warmup = warmup
-        self._max_graphs = max_graphs
+        self._max_graphs = max_graphs  # recordings per signature: for callers that hold outputs
+        self._max_signatures = max_signatures  # one per set of in-place addresses (a layer's parameters)
         self._on_event = on_event
         self._specs: list[_OutputSpec] = []
         self._group_bytes: list[tuple[int, torch.device]] = []
@@ -196,14 +216,17 @@ class GraphedFunction:
     def __call__(self, args: list[Any]) -> list[Any]:
         if self.stats.fallback is not None or self._warmup > 0:
             return self._uncaptured(args, learn=self._warmup > 0)
-        recording = next((r for r in self._recordings if r.outputs_free() and r.matches(args, self._in_place_idxs)),
-                         None)
+        same = [r for r in self._recordings if r.matches(args, self._in_place_idxs)]
+        recording = next((r for r in same if r.outputs_free()), None)
         if recording is None:
-            if len(self._recordings) >= self._max_graphs:
+            full = len(same) >= self._max_graphs or len(self._recordings) >= self._max_signatures
+            if full:
                 self.stats.uncaptured_calls += 1
                 if self.stats.uncaptured_calls == 1:
-                    self._event(f"all {self._max_graphs} recordings were busy or had another signature (their "
-                                f"outputs still held, or in-place inputs moved); such calls run uncaptured")
+                    self._event(f"all {len(same)} recordings of this signature had their outputs still held "
+                                f"(max_graphs={self._max_graphs}), or {len(self._recordings)} signatures were "
+                                f"recorded (parameters that move, a graph shared by many layers: at most "
+                                f"{self._max_signatures}); such calls run uncaptured")
                 return self._call(args)
             recording = self._record(args)
             if recording is None:

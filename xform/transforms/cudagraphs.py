@@ -92,13 +92,15 @@ class CudaGraphs(Transform):
 
     name = "cudagraphs"
 
-    def __init__(self, *, min_region_ops: int = 4, max_graphs: int = 3, warmup: int = 1) -> None:
+    def __init__(self, *, min_region_ops: int = 2, max_graphs: int = 3, max_signatures: int = 64,
+                 warmup: int = 1) -> None:
         for option, value, low in (("min_region_ops", min_region_ops, 1), ("max_graphs", max_graphs, 1),
-                                   ("warmup", warmup, 1)):
+                                   ("max_signatures", max_signatures, 1), ("warmup", warmup, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise option_error(self.name, option, value, f"an int >= {low}")
         self.min_region_ops = min_region_ops
         self.max_graphs = max_graphs
+        self.max_signatures = max_signatures
         self.warmup = warmup
         self.functions: list[GraphedFunction] = []  # every recorded region function, with its ReplayStats
 
@@ -141,7 +143,8 @@ class CudaGraphs(Transform):
                 return index in static or isinstance(t, nn.Parameter) or _layout(t) in module_state
 
             function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, is_module_state,
-                                       warmup=self.warmup, max_graphs=self.max_graphs, on_event=record.note)
+                                       warmup=self.warmup, max_graphs=self.max_graphs,
+                                       max_signatures=self.max_signatures, on_event=record.note)
             self.functions.append(function)
             return function
 
