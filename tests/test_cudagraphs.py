@@ -211,7 +211,8 @@ def test_a_failed_recording_falls_back_and_strict_mode_raises(monkeypatch):
             strict_step(x)
 
 
-def test_a_host_read_inside_the_graph_splits_it_and_is_explained(recorder, monkeypatch):
+@pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_host_read_inside_the_graph_splits_it_and_is_explained(recorder, monkeypatch, handoff):
     monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
 
     def f(x, w):
@@ -220,19 +221,20 @@ def test_a_host_read_inside_the_graph_splits_it_and_is_explained(recorder, monke
         return (h / scale).sin().cos() @ w
 
     transform = CudaGraphs(min_region_ops=2)
-    step = compiled(f, transform)
+    step = compiled(f, transform, handoff)
     w = torch.randn(8, 8)
     for _ in range(4):
         x = torch.randn(4, 8)
         torch.testing.assert_close(step(x, w), f(x, w))
-    (item,) = [s for s in xform.report(f).skips("cudagraphs") if "item" in s.target]
+    record = xform.report(f).graphs[-1].transforms[0]  # f's code is shared by both parametrizations
+    (item,) = [s for s in record.skips if "item" in s.target]
     assert item.target.startswith("Tensor.item (node item) at test_cudagraphs.py:")
     assert item.target.endswith("in f: scale = h.max().item()")
     assert item.reason.startswith(".item() copies a GPU value into Python, which waits for the GPU. Fix: keep the value")
-    graphed = [c for c in xform.report(f).changes("cudagraphs")]
+    graphed = record.changes
     assert len(graphed) == 2 and all("graphed" in c.target for c in graphed)
     assert len(transform.functions) == 2 and all(fn.stats.replays == 3 for fn in transform.functions)  # after the warm-up
-    truediv = next(s for s in xform.report(f).skips("cudagraphs") if "truediv" in s.target)
+    truediv = next(s for s in record.skips if "truediv" in s.target)
     assert truediv.reason.startswith("it uses 'item', a number read from the GPU on the host")
 
 

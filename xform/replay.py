@@ -70,10 +70,17 @@ class CudaGraphRecorder:
         return graph
 
     def _recover(self) -> None:
-        """After a failed capture: a capture that ends cleanly puts the RNG generators (left in
-        capture mode by the failed one) back into normal use."""
+        """After a failed capture: stop routing allocations to the pool, and end a clean (empty)
+        capture so that the RNG generators, left in capture mode by the failed one, work again."""
+        try:
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self._pool)
+        except RuntimeError:
+            pass  # the failed capture had already ended it
         torch.cuda.synchronize()
-        self._empty_graph()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=self._stream):
+                pass
 
     def record(self, run: Callable[[list[Any]], None], inputs: list[Any], copied: set[int]) -> Callable[[list[Any]], None]:
         graph = torch.cuda.CUDAGraph()

@@ -152,7 +152,9 @@ class CudaGraphs(Transform):
 
     def _split(self, graph: CapturedGraph, plan: RegionPlan, compile: Callable[..., Callable[..., Any]],
                wrap: Callable[..., GraphedFunction], record: TransformRecord) -> Callable[..., Any]:
-        """The graph as one call per region: graphed regions recorded, the others compiled plainly."""
+        """The graph as one call per region: graphed regions recorded, small safe ones compiled
+        plainly, those holding breaks run as written (Inductor cannot always take them alone: an
+        .item() outside Dynamo's shape environment)."""
         split = fuse_by_partitions(graph.gm, [{n: None for n in r.nodes} for r in plan.regions], prefix="xform_region_")
         # fuse_by_partitions names region i "xform_region_i" and orders the calls by data alone;
         # put them in the plan's order, which also keeps in-place writes and reads in order
@@ -167,6 +169,8 @@ class CudaGraphs(Transform):
             index = int(call.target.rpartition("_")[2])
             region, sub = plan.regions[index], getattr(split, call.target)
             label = f"region {index} ({region.op_count} ops, {region.kind})"
+            if region.kind != SAFE and region.why_plain is None:
+                continue  # it holds the breaks (host reads, CPU ops): run as written, between the replays
             wrap_inner = wrap if region.kind == SAFE else None
             if region.kind == SAFE:
                 record.changed("region", label)
