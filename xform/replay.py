@@ -70,31 +70,12 @@ class CudaGraphRecorder:
         return graph
 
     def _recover(self) -> None:
-        """After a failed capture: stop routing allocations to the pool, and end a clean (empty)
-        capture so that the RNG generators, left in capture mode by the failed one, work again."""
-        try:
-            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self._pool)
-        except RuntimeError:
-            pass  # the failed capture had already ended it
+        """After a failed capture, which can leave the allocator routing to the pool and the RNG
+        generators in capture mode: end a clean (empty) capture, which puts the generators back,
+        and record into a fresh pool from now on (graphs already recorded keep theirs)."""
         torch.cuda.synchronize()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=self._stream):
-                pass
-
-    def record(self, run: Callable[[list[Any]], None], inputs: list[Any], copied: set[int]) -> Callable[[list[Any]], None]:
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                run(inputs)
-        except Exception:
-            self._recover()
-            raise
-
-        def replay(_: list[Any]) -> None:
-            graph.replay()
-
-        return replay
+        self._pool = torch.cuda.graph_pool_handle()
+        self._keeper = self._empty_graph()
 
 
 _recorders: dict[str, GraphRecorder] = {}
