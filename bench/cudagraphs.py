@@ -40,16 +40,16 @@ MEMORY = [f"memory:{w}:{c}" for w in ("train-breaks", "buckets") for c in CONFIG
 TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
 
 
-def compiled(model: torch.nn.Module, config: str) -> Callable[..., Any]:
+def compiled(model: torch.nn.Module, config: str, dynamic: bool | None = None) -> Callable[..., Any]:
     if config == "inductor":
-        return torch.compile(model)
+        return torch.compile(model, dynamic=dynamic)
     if config == "reduce-overhead":
-        return torch.compile(model, mode="reduce-overhead")
+        return torch.compile(model, mode="reduce-overhead", dynamic=dynamic)
     import xform
     from xform.transforms import CudaGraphs
 
     TRANSFORMS.append(CudaGraphs())
-    return torch.compile(model, backend=xform.Backend(TRANSFORMS))
+    return torch.compile(model, backend=xform.Backend(TRANSFORMS), dynamic=dynamic)
 
 
 def replay_stats() -> dict[str, int]:
@@ -113,7 +113,7 @@ def memory(workload: str, config: str) -> dict[str, Any]:
         calls = [run] * 8
     else:
         model = Llama(c).to("cuda", torch.bfloat16).eval()
-        step = compiled(model, config)
+        step = compiled(model, config, dynamic=False)  # one static graph per batch size, as servers record
         batches = [torch.randint(c.vocab, (b, 256), device="cuda") for b in (1, 2, 4, 8)]
 
         def infer(tokens: torch.Tensor) -> Callable[[], None]:
