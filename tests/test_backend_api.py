@@ -61,7 +61,7 @@ def test_spec_strings_and_objects_mix():
 
 def test_unknown_spec_lists_what_is_accepted():
     with pytest.raises(ValueError, match=r"unknown transform 'quantise' in spec 'quantise:fp8'; accepted: 'cast', "
-                                         r"'cudagraphs' \(not available yet\), 'distribute', 'flex-attention', "
+                                         r"'cudagraphs', 'distribute', 'flex-attention', "
                                          r"'quantize'$"):
         xform.Backend(["quantise:fp8"])
 

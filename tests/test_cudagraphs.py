@@ -286,15 +286,7 @@ def test_a_user_generator_and_an_op_tagged_unsafe_are_breaks():
     assert breaks["tagged_default"].reason == "its author tagged xform_test.tagged.default torch.Tag.cudagraph_unsafe"
 
 
-# --- options and conflicts ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("option, value", [("min_region_ops", 0), ("max_graphs", "3"), ("max_signatures", 0.5),
-                                           ("warmup", True)])
-def test_bad_options_name_the_option_and_what_is_accepted(option, value):
-    with pytest.raises(ValueError, match=rf"transform 'cudagraphs': option {option}={value!r} is not accepted; "
-                                         rf"accepted: an int >= 1"):
-        CudaGraphs(**{option: value})
+# --- conflicts (bad options: test_options.py) ----------------------------------------------------------------------
 
 
 def test_reduce_overhead_mode_with_the_transform_is_refused():

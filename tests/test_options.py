@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import xform
-from xform.transforms import Cast, Distribute, FlexAttention, Quantize
+from xform.transforms import Cast, CudaGraphs, Distribute, FlexAttention, Quantize
 
 BAD = [
     (Cast, {"dtype": torch.int8}, "cast", "dtype=torch.int8", "torch.bfloat16, torch.float16"),
@@ -23,6 +23,10 @@ BAD = [
     (FlexAttention, {"backend": None}, "flex-attention", "backend=None", "auto, flash, triton"),
     (Distribute, {"strategy": "zero3"}, "distribute", "strategy='zero3'", "ddp, fsdp, tp, fsdp+tp"),
     (Distribute, {"strategy": "fsdp", "mesh": "world"}, "distribute", "mesh='world'", "a 1-D DeviceMesh or a ProcessGroup"),
+    (CudaGraphs, {"min_region_ops": 0}, "cudagraphs", "min_region_ops=0", "an int >= 1"),
+    (CudaGraphs, {"max_graphs": 2.5}, "cudagraphs", "max_graphs=2.5", "an int >= 1"),
+    (CudaGraphs, {"max_signatures": None}, "cudagraphs", "max_signatures=None", "an int >= 1"),
+    (CudaGraphs, {"warmup": "1"}, "cudagraphs", "warmup='1'", "an int >= 1"),
 ]
 
 

@@ -136,7 +136,7 @@ def test_aot_hooks_with_a_handoff_that_has_no_aot_graphs():
         name = "thunder"
         supports_aot_hooks = False
 
-    with pytest.raises(ValueError, match=r"transform\(s\) \['recorder'\] rewrite AOTAutograd graphs, which "
+    with pytest.raises(ValueError, match=r"transform\(s\) \['recorder'\] work on AOTAutograd graphs, which "
                                          r"handoff='thunder' does not produce"):
         xform.pipeline.Pipeline([Recorder([])], FakeThunder())
 

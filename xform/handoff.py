@@ -52,11 +52,13 @@ class InductorHandoff:
             patches.update(options)
         self.config_patches = patches or None
 
-    def with_transform_config(self, config: dict[str, Any], by: dict[str, str] | None = None) -> None:
-        """Add transforms' Inductor settings (`by`: setting -> transform); a user option that
-        contradicts one is an error, since the transform relies on it."""
+    def with_transform_config(self, wanted: dict[str, Any], required: dict[str, Any] | None = None,
+                              by: dict[str, str] | None = None) -> None:
+        """Add transforms' Inductor settings: `wanted` ones yield to the user's options; a user option
+        that contradicts a `required` one (`by`: setting -> transform) is an error, since the
+        transform relies on it."""
         user = self.config_patches or {}
-        for key, value in config.items():
+        for key, value in (required or {}).items():
             if key in user and user[key] != value:
                 owner = (by or {}).get(key, "a transform")
                 raise ValueError(
@@ -64,8 +66,9 @@ class InductorHandoff:
                     f"{user[key]!r}" + (" (mode='reduce-overhead' records CUDA graphs itself: drop the mode, the "
                                         "cudagraphs transform replaces it)" if key == "triton.cudagraphs" else "")
                 )
-        if config:
-            self.config_patches = {**config, **user}
+        merged = {**wanted, **(required or {}), **user}
+        if merged:
+            self.config_patches = merged
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None,
                 wrap_inner: InnerWrapper | None = None) -> Callable[..., Any]:

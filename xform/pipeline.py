@@ -66,8 +66,10 @@ class Pipeline:
         check_order(self.transforms)
         self.handoff = handoff
         if isinstance(handoff, InductorHandoff):
-            handoff.with_transform_config({k: v for t in self.transforms for k, v in t.inductor_config().items()},
-                                          {k: t.name for t in self.transforms for k in t.inductor_config()})
+            handoff.with_transform_config(
+                {k: v for t in self.transforms for k, v in t.inductor_config().items()},
+                {k: v for t in self.transforms for k, v in t.required_inductor_config().items()},
+                {k: t.name for t in self.transforms for k in t.required_inductor_config()})
         own_compile = [t.name for t in self.transforms if t.overrides("compile_graph")]
         if len(own_compile) > 1:
             raise ValueError(f"xform: transforms {own_compile} each compile the graph in their own parts; list one")

@@ -88,6 +88,10 @@ class Transform:
         """Inductor settings this transform's graphs want (merged under the user's own options)."""
         return {}
 
+    def required_inductor_config(self) -> dict[str, Any]:
+        """Inductor settings this transform relies on: a user option contradicting one is an error."""
+        return {}
+
     def overrides(self, hook: str) -> bool:
         return getattr(type(self), hook) is not getattr(Transform, hook)
 

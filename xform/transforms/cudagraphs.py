@@ -104,7 +104,7 @@ class CudaGraphs(Transform):
         self.warmup = warmup
         self.functions: list[GraphedFunction] = []  # every recorded region function, with its ReplayStats
 
-    def inductor_config(self) -> dict[str, Any]:
+    def required_inductor_config(self) -> dict[str, Any]:
         return {"triton.cudagraphs": False}  # xform records the graphs; Inductor must not as well
 
     def compile_graph(self, graph: CapturedGraph, compile: Callable[..., Callable[..., Any]],
