@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -57,8 +59,11 @@ def test_training_step_records_forward_and_backward():
     assert kinds["forward"].replays == 3 and kinds["backward"].replays == 3
 
 
-def test_a_host_read_inside_the_graph_splits_it_into_regions(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+def test_a_host_read_inside_the_graph_splits_it_into_regions(request):
+    # config.patch, not monkeypatch: on torch 2.11 monkeypatch's undo deletes the config entry
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(capture_scalar_outputs=True))
+    request.addfinalizer(stack.close)
 
     def f(x, w):
         h = torch.relu(x @ w) * 2 + 1

@@ -153,24 +153,26 @@ class CudaGraphs(Transform):
     def _split(self, graph: CapturedGraph, plan: RegionPlan, compile: Callable[..., Callable[..., Any]],
                wrap: Callable[..., GraphedFunction], record: TransformRecord) -> Callable[..., Any]:
         """The graph as one call per region: graphed regions recorded, small safe ones compiled
-        plainly, those holding breaks run as written (Inductor cannot always take them alone: an
-        .item() outside Dynamo's shape environment)."""
-        split = fuse_by_partitions(graph.gm, [{n: None for n in r.nodes} for r in plan.regions], prefix="xform_region_")
-        # fuse_by_partitions names region i "xform_region_i" and orders the calls by data alone;
-        # put them in the plan's order, which also keeps in-place writes and reads in order
-        calls = sorted((n for n in split.graph.nodes if n.op == "call_module"), key=lambda n: int(n.target.rpartition("_")[2]))
+        plainly, the ops of those holding breaks inline between them."""
+        # regions holding breaks (host reads, CPU ops) stay inline and run as written: Inductor
+        # cannot always take them alone (an .item() outside Dynamo's shape environment)
+        fused = [i for i, r in enumerate(plan.regions) if r.kind == SAFE or r.why_plain]
+        split = fuse_by_partitions(graph.gm, [dict.fromkeys(plan.regions[i].nodes) for i in fused], prefix="xform_region_")
+        # fuse_by_partitions names partition p "xform_region_p" and orders by data alone; put every
+        # region in the plan's order, which also keeps in-place writes and reads in order
+        calls = {fused[int(n.target.rpartition("_")[2])]: n for n in split.graph.nodes if n.op == "call_module"}
+        by_name = {n.name: n for n in split.graph.nodes}  # the split graph is a copy: find inline ops by name
         last = next(n for n in reversed(split.graph.nodes) if n.op == "placeholder")
-        for call in calls:
-            for node in (call, *[u for u in call.users if u.target is operator.getitem]):
+        for index, region in enumerate(plan.regions):
+            call = calls.get(index)
+            nodes = [by_name[n.name] for n in region.nodes] if call is None else [call, *[u for u in call.users if u.target is operator.getitem]]
+            for node in nodes:
                 last.append(node)
                 last = node
         split.graph.lint()
-        for call in calls:
-            index = int(call.target.rpartition("_")[2])
+        for index, call in calls.items():
             region, sub = plan.regions[index], getattr(split, call.target)
             label = f"region {index} ({region.op_count} ops, {region.kind})"
-            if region.kind != SAFE and region.why_plain is None:
-                continue  # it holds the breaks (host reads, CPU ops): run as written, between the replays
             wrap_inner = wrap if region.kind == SAFE else None
             if region.kind == SAFE:
                 record.changed("region", label)
