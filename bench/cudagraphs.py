@@ -6,7 +6,7 @@ after another on the same GPU:
 - decode: the llama-style decoder (16 layers, dim 2048, static KV cache of 1024, bf16), one token
   a step, batch 1 and 8, as written and with a host sync (`.item()`) in every layer; ms a step.
 - memory: peak reserved GPU memory over the same run without CUDA graphs, where graph pools cost:
-  `train-breaks` (an 8-layer training step with a graph break after every layer) and `buckets`
+  `train-breaks` (an 8-layer training step with a graph break after every layer, `Llama(graph_breaks=True)`) and `buckets`
   (inference at four batch sizes, each its own recorded graph, as servers record them).
 
     python bench/cudagraphs.py [--out DIR] [--only decode]   # all of it, or part (needs a CUDA GPU)
@@ -83,24 +83,11 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
 
 
-class BrokenLlama(Llama):
-    """The llama with a graph break after every layer (a print, a logging call, an unsupported op)."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        cos, sin = self.cos[:s], self.sin[:s]
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-            torch._dynamo.graph_break()
-        return self.output(self.norm(x))
-
-
 def memory(workload: str, config: str) -> dict[str, Any]:
     torch.manual_seed(0)
     c = LlamaConfig(layers=8, max_seq=512)
     if workload == "train-breaks":
-        model = BrokenLlama(c).to("cuda", torch.bfloat16)
+        model = Llama(c, graph_breaks=True).to("cuda", torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         step = compiled(model, config)
         tokens = torch.randint(c.vocab, (4, 512), device="cuda")

@@ -20,6 +20,14 @@ class LlamaConfig:
     max_seq: int = 1024
 
 
+def rotary_tables(c: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, [max_seq, head_dim / 2]."""
+    head_dim = c.dim // c.heads
+    freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(c.max_seq).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -66,18 +74,18 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    """`graph_breaks`: a graph break after every layer (a print, a logging call, an unsupported op)."""
+
+    def __init__(self, c: LlamaConfig, graph_breaks: bool = False) -> None:
         super().__init__()
-        self.config = c
+        self.config, self.graph_breaks = c, graph_breaks
         self.embed = nn.Embedding(c.vocab, c.dim)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
         self.norm = nn.RMSNorm(c.dim)
         self.output = nn.Linear(c.dim, c.vocab, bias=False)
-        head_dim = c.dim // c.heads
-        freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        angles = torch.outer(torch.arange(c.max_seq).float(), freqs)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = rotary_tables(c)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
@@ -85,6 +93,8 @@ class Llama(nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
+            if self.graph_breaks:
+                torch._dynamo.graph_break()
         return self.output(self.norm(x))
 
 
@@ -136,11 +146,9 @@ class DecodeLlama(nn.Module):
         self.layers = nn.ModuleList(DecodeLayer(c, batch, host_sync) for _ in range(c.layers))
         self.norm = nn.RMSNorm(c.dim)
         self.output = nn.Linear(c.dim, c.vocab, bias=False)
-        head_dim = c.dim // c.heads
-        freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        angles = torch.outer(torch.arange(c.max_seq).float(), freqs)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = rotary_tables(c)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.register_buffer("positions", torch.arange(c.max_seq), persistent=False)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
