@@ -78,16 +78,17 @@ class CudaGraphRecorder:
         self._keeper = self._empty_graph()
 
 
-_recorders: dict[str, GraphRecorder] = {}
+_recorder: CudaGraphRecorder | None = None
 _lock = threading.Lock()
 
 
 def shared_recorder() -> GraphRecorder:
     """The process's CUDA graph recorder (and with it the one pool), made on first use."""
+    global _recorder
     with _lock:
-        if "cuda" not in _recorders:
-            _recorders["cuda"] = CudaGraphRecorder()
-        return _recorders["cuda"]
+        if _recorder is None:
+            _recorder = CudaGraphRecorder()
+        return _recorder
 
 
 @dataclass
@@ -204,9 +205,10 @@ class GraphedFunction:
     def __call__(self, args: list[Any]) -> list[Any]:
         if self.stats.fallback is not None or self._warmup > 0:
             return self._uncaptured(args, learn=self._warmup > 0)
-        same = [r for r in self._recordings if r.matches(args, self._in_place_idxs)]
-        recording = next((r for r in same if r.outputs_free()), None)
-        if recording is None:
+        recording = next((r for r in self._recordings if r.outputs_free() and r.matches(args, self._in_place_idxs)),
+                         None)
+        if recording is None:  # the slow path: count this signature's recordings, all busy
+            same = [r for r in self._recordings if r.matches(args, self._in_place_idxs)]
             full = len(same) >= self._max_graphs or len(self._recordings) >= self._max_signatures
             if full:
                 self.stats.uncaptured_calls += 1
