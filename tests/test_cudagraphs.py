@@ -1,10 +1,12 @@
 """The cudagraphs transform on the CPU: capture-safety analysis, region partitioning, explanations,
-and the replay rules (signatures, held outputs, failed recordings) with a simulated recorder.
+and the replay rules (signatures, copied-out outputs, failed recordings) with a simulated recorder.
 
 The simulated recorder gives a recorded graph's semantics without a GPU: a replay runs what was
-recorded on the same input and output buffers, reading in-place inputs where they are now. With it
-the CPU is the recorded device, so every path of the runtime runs here; the CUDA-only part (the
-one pool, real capture failures) is in test_cudagraphs_gpu.py.
+recorded on the same input and output buffers, reading in-place inputs where they are now. Its
+buffers form a simulated pool that every replay first fills with garbage, as other graphs reusing
+the real pool would: anything handed out of it, or read from it before being written, shows. With
+it the CPU is the recorded device, so every path of the runtime runs here; the CUDA-only part (the
+one pool, real capture failures, memory) is in test_cudagraphs_gpu.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ import xform.transforms.cudagraphs as cudagraphs
 from xform.capture_safety import find_breaks
 from xform.fxgraph import quotient_is_acyclic, to_digraph
 from xform.regions import plan_regions
+from xform.replay import Recorded
 from xform.transforms import CudaGraphs
+
+
+def _scribble(t: torch.Tensor) -> None:
+    t.fill_(float("nan") if t.is_floating_point() else 7)
 
 
 class SimulatedRecorder:
@@ -32,17 +39,36 @@ class SimulatedRecorder:
     def __init__(self, fail: Exception | None = None) -> None:
         self.fail = fail
         self.recorded = 0
+        self.pool: list[torch.Tensor] = []  # every recording's input and output buffers
 
     def record(self, run, inputs, copied):
         if self.fail is not None:
             raise self.fail
         self.recorded += 1
-        buffers = {i: inputs[i] for i in copied}
+        static = list(inputs)
+        for i in copied:
+            static[i] = torch.empty_like(inputs[i])
+        outputs = run(static)
+        caller = {t.untyped_storage().data_ptr() for i, t in enumerate(inputs) if i not in copied
+                  and isinstance(t, torch.Tensor)}
+        mine = [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller]
+        own_inputs = [static[i] for i in copied]
+        self.pool += own_inputs + mine
+        written = {t.untyped_storage().data_ptr() for t in own_inputs}
 
-        def replay(args):
-            run([buffers.get(i, a) for i, a in enumerate(args)])
+        def replay():
+            for t in self.pool:
+                if t.untyped_storage().data_ptr() not in written:
+                    _scribble(t)
+            for out, new in zip(mine, [o for o in run(static) if isinstance(o, torch.Tensor)
+                                       and o.untyped_storage().data_ptr() not in caller]):
+                out.copy_(new)
 
-        return replay
+        return Recorded(replay, own_inputs, outputs)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is memory of the simulated pool."""
+        return any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in self.pool)
 
 
 @pytest.fixture
@@ -140,6 +166,18 @@ def test_regions_below_the_threshold_stay_plain_with_the_reason():
 # --- the replay rules, on a simulated recorder -------------------------------------------------
 
 
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.linear(x)) + x
+        if x.isnan().any().item():  # a graph break: each layer becomes a call of one compiled graph
+            raise FloatingPointError("NaN")
+        return x
+
+
 @pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_replays_match_eager_in_inference_and_training(recorder, handoff):
     model, transform = mlp(), CudaGraphs(min_region_ops=1)
@@ -159,23 +197,44 @@ def test_replays_match_eager_in_inference_and_training(recorder, handoff):
             torch.testing.assert_close(g, p.grad)
     stats = {f.stats.name.split()[0]: f.stats for f in transform.functions}
     assert stats["inference"].replays == 3
-    assert stats["forward"].recordings == 1 and stats["forward"].replays == 3  # the backward freed its outputs
+    assert stats["forward"].recordings == 1 and stats["forward"].replays == 3
     assert stats["backward"].recordings == 1 and stats["backward"].replays == 3
     assert xform.report(model).changes("cudagraphs")[0].detail.startswith("the whole graph")
 
 
-def test_held_outputs_are_never_overwritten(recorder):
-    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1, max_graphs=2)
+def test_a_later_replay_never_changes_an_earlier_output(recorder):
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
     step = compiled(model, transform)
     inputs = [torch.randn(4, 8) for _ in range(5)]
     with torch.no_grad():
         outputs = [step(x) for x in inputs]  # every output still held when the next call runs
         for x, out in zip(inputs, outputs):
             torch.testing.assert_close(out, model(x))
+    assert not any(recorder.holds(out) for out in outputs)  # the caller's own tensors, none in the pool
     stats = transform.functions[0].stats
-    assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (2, 2, 2)
-    notes = [n for g in xform.report(model).graphs for t in g.transforms for n in t.notes]
-    assert any("all 2 recordings of this signature had their outputs still held (max_graphs=2)" in n for n in notes)
+    assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (1, 4, 0)  # one recording serves all
+
+
+def test_saved_tensors_and_gradients_survive_later_replays(recorder):
+    # two layers, a graph break after each: a layer's backward reads what its forward saved after
+    # the other layer's forward and backward replayed (and, in a pool, reused the memory)
+    model, transform = nn.Sequential(Layer(), Layer()), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    for _ in range(3):
+        model.zero_grad(set_to_none=False)  # .grad accumulates: a replay must not overwrite the held one
+        inputs = [torch.randn(4, 8), torch.randn(4, 8)]
+        for x in inputs:
+            step(x).square().mean().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=False)
+        for x in inputs:
+            model(x).square().mean().backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad)
+    assert not any(recorder.holds(p.grad) for p in model.parameters())
+    kinds = sorted(f.stats.name.split()[0] for f in transform.functions)
+    assert kinds == ["backward", "backward", "forward", "forward"]  # each layer's, one recording each
+    assert all(f.stats.recordings == 1 and f.stats.replays == 5 for f in transform.functions)
 
 
 def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):
@@ -300,18 +359,6 @@ def test_reduce_overhead_mode_with_the_transform_is_refused():
     with pytest.raises(ValueError, match=r"transform 'cudagraphs' needs Inductor's triton.cudagraphs=False, but the "
                                          r"mode or options ask for True \(mode='reduce-overhead' records CUDA graphs"):
         xform.Backend(["cudagraphs"], mode="reduce-overhead")
-
-
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x):
-        x = torch.relu(self.linear(x)) + x
-        if x.isnan().any().item():  # a graph break: each layer becomes a call of one compiled graph
-            raise FloatingPointError("NaN")
-        return x
 
 
 def test_one_graph_serving_many_layers_records_each_layer(recorder):

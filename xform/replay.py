@@ -1,23 +1,24 @@
 """Record a compiled region function as CUDA graphs and replay them, safely, from one memory pool.
 
-Memory: every graph xform records on a device shares one pool, and no pool memory stays live
-between replays: each graph ends by copying its outputs into buffers it owns outside the pool
-(the copy is part of the recorded graph, so it costs no launch). A replay may therefore use any
-of the pool's memory for its intermediates, the pool is as large as the largest graph needs, not
-the sum over graphs, and graphs may replay in any order.
+Memory: every graph xform records on a device shares one pool, and no pool memory is live between
+replays. A replay copies the inputs it cannot read in place into the pool, runs the graph, and
+copies the graph's outputs out of the pool into fresh ordinary allocations (one `_foreach_copy_`
+each way). A recording keeps addresses in the pool, not allocations: the pool is as large as the
+largest graph needs, not the sum over graphs, graphs may replay in any order, and every replay's
+outputs are the caller's own tensors, which no later replay overwrites, so one recording per
+signature serves callers that hold outputs (a backward's gradients, a list of logits). The cost:
+each output is written twice (by the graph, then by the copy), and the inputs other than module
+state are copied in. A graph cannot read the previous graph's output where that graph left it,
+since the next graph's intermediates may overwrite it in the pool; avoiding that copy would need
+the lifetimes of outputs planned across graphs (as CUDA Graph Trees do, at the price of private
+memory per path).
 
-Inputs: parameters, buffers and outputs of other recorded graphs have stable addresses and are
-recorded in place; the other inputs are copied into the graph's own input buffers before each
-replay (one `_foreach_copy_`). A replay first checks its signature: the addresses of the in-place
-inputs and the sizes, strides and dtypes of the copied ones. A new signature records a new graph.
-
-Outputs are never overwritten while someone holds them: a graph's outputs are handed out as
-aliases of its output buffers, and before a replay the graph checks (by the buffers' storage use
-counts) that nobody holds the previous ones; if someone does, another recording of the same
-signature (with buffers of its own) replays instead, up to `max_graphs` per signature, after which
-the call runs the compiled function uncaptured. One compiled function may serve many signatures
-(Dynamo compiles a layer's code once for all the layers, each with its own parameters), up to
-`max_signatures`. A recording that fails leaves the region uncaptured for good;
+Inputs: parameters and buffers have stable addresses and are read in place; the other inputs are
+copied in. A replay first checks its signature: the addresses of the in-place inputs and the
+sizes, strides and dtypes of the copied ones (and the values of numbers). A new signature records
+a new graph: one compiled function may serve many signatures (Dynamo compiles a layer's code once
+for all the layers, each with its own parameters), up to `max_signatures`, beyond which calls run
+the compiled function uncaptured. A recording that fails leaves the region uncaptured for good;
 the report says why. Each step still completes.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -35,18 +35,42 @@ from xform.faults import strict
 from xform.log import logger
 
 
-class GraphRecorder(Protocol):
-    """How graphs are recorded on a device.
+@dataclass
+class Recorded:
+    """A recorded graph. `replay()` runs it; `inputs` are where the copied inputs must be written
+    before it (in the order of `copied`), `outputs` what the recorded run returned, each tensor
+    where a replay leaves it. Both lie in pool memory that other graphs reuse: written right before
+    the replay, read right after it."""
 
-    `record(run, inputs, copied)` records `run(inputs)` and returns the replay, which takes the
-    call's arguments: a CUDA graph ignores them (it reads the recorded addresses, where the
-    in-place inputs are and the copied ones were copied to); a simulation may read them.
-    `copied` holds the positions of `inputs` that are the recording's own input buffers.
-    """
+    replay: Callable[[], None]
+    inputs: list[torch.Tensor]
+    outputs: list[Any]
+
+
+class GraphRecorder(Protocol):
+    """How graphs are recorded on a device: `record(run, inputs, copied)` records `run(inputs)`
+    with the inputs at positions `copied` replaced by buffers of the recorder's pool."""
 
     device_type: str
 
-    def record(self, run: Callable[[list[Any]], None], inputs: list[Any], copied: set[int]) -> Callable[[list[Any]], None]: ...
+    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded: ...
+
+
+def _view(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.dtype, t.shape, t.stride(), t.storage_offset())
+
+
+def _view_of(storage: torch.UntypedStorage, view: tuple[Any, ...]) -> torch.Tensor:
+    dtype, size, stride, offset = view
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """`t` over a storage that does not keep its memory allocated (as CUDA Graph Trees hold their
+    outputs): a recording keeps the address, and other graphs may use the memory in between."""
+    storage = t.untyped_storage()
+    return _view_of(torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes()),
+                    _view(t))
 
 
 class CudaGraphRecorder:
@@ -58,7 +82,8 @@ class CudaGraphRecorder:
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream()
         # the allocator frees a pool when its last graph goes; an empty graph held here keeps it
-        # for the graphs recorded later (as CUDA Graph Trees do)
+        # for the graphs recorded later (as CUDA Graph Trees do), and keeps the memory behind the
+        # recordings' addresses reserved
         self._keeper = self._empty_graph()
 
     def _empty_graph(self) -> torch.cuda.CUDAGraph:
@@ -76,6 +101,22 @@ class CudaGraphRecorder:
         torch.cuda.synchronize()
         self._pool = torch.cuda.graph_pool_handle()
         self._keeper = self._empty_graph()
+
+    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded:
+        graph = torch.cuda.CUDAGraph()
+        static = list(inputs)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                for i in copied:  # allocated in the pool, alive until the capture ends; no work recorded
+                    static[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype,
+                                                    device=inputs[i].device)
+                outputs = run(static)
+        except Exception:
+            self._recover()
+            raise
+        # the owning tensors go with this frame: their pool memory is free for the next recordings
+        return Recorded(graph.replay, [_unowned(static[i]) for i in copied],
+                        [_unowned(o) if isinstance(o, torch.Tensor) else o for o in outputs])
 
 
 _recorder: CudaGraphRecorder | None = None
@@ -98,7 +139,7 @@ class ReplayStats:
     name: str
     recordings: int = 0
     replays: int = 0
-    uncaptured_calls: int = 0  # after the warm-up: calls run without a graph (all recordings held, or failed)
+    uncaptured_calls: int = 0  # after the warm-up: calls run without a graph (too many signatures, or failed)
     fallback: str | None = None  # why the region runs uncaptured for good
     events: list[str] = field(default_factory=list)
 
@@ -122,17 +163,14 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _view(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.dtype, t.shape, t.stride(), t.storage_offset())
-
-
-def _view_of(storage: torch.UntypedStorage, view: tuple[Any, ...]) -> torch.Tensor:
-    dtype, size, stride, offset = view
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
-
-
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _is_whole(t: torch.Tensor) -> bool:
+    """Whether `t` is all of its storage, densely: a copy made by `empty_like` has its layout."""
+    return (t.storage_offset() == 0 and torch.empty_like(t, device="meta").stride() == t.stride()
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
 
 
 def _ptrs_equal(args: list[Any], ptrs: list[int | None], idxs: list[int]) -> bool:
@@ -144,22 +182,20 @@ _addresses_match = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", _ptr
 
 
 class _Recording:
-    """One recorded graph: the signature it was recorded for, its input and output buffers, its replay."""
+    """One recorded graph, the signature it was recorded for, and what a replay copies out: per
+    output storage, the output itself when it is the whole storage (the copy is the output), else
+    the storage's bytes (the outputs are views of the copy, as they were of the original)."""
 
-    def __init__(self, ptrs: list[int | None], metas: dict[int, tuple[Any, ...]], copy_idxs: list[int],
-                 buffers: list[torch.Tensor], outputs: list[torch.Tensor | None],
-                 replay: Callable[[list[Any]], None]) -> None:
+    def __init__(self, ptrs: list[int | None], metas: dict[int, Any], copy_idxs: list[int], recorded: Recorded,
+                 specs: list[_OutputSpec], groups: int) -> None:
         self.ptrs = ptrs  # per input: the address recorded in place, or None
-        self.metas = metas  # input index -> size, stride, dtype, device it was recorded with
+        self.metas = metas  # input index -> size, stride, dtype, device it was recorded with (or its value)
         self.copy_idxs = copy_idxs
-        self.buffers = buffers
-        self.outputs = outputs  # output buffers (None where the output is an alias or a constant)
-        self.replay = replay
-        cdatas = [t.untyped_storage()._cdata for t in outputs if t is not None]
-        self._storages = [(c, torch._C._storage_Use_Count(c)) for c in cdatas]
-        for t in outputs:
-            if t is not None:
-                _recorded_outputs[_storage_key(t)] = self
+        self.recorded = recorded
+        first = {s.group: out for s, out in zip(specs, recorded.outputs) if s.group is not None}
+        shared = {g for g in first if sum(s.group == g for s in specs) > 1}
+        self.whole = [g not in shared and _is_whole(first[g]) for g in range(groups)]
+        self.sources = [first[g] if self.whole[g] else _bytes_of(first[g].untyped_storage()) for g in range(groups)]
 
     def matches(self, args: list[Any], in_place_idxs: list[int]) -> bool:
         """Whether `args` have this recording's signature: same in-place addresses, same metadata."""
@@ -167,64 +203,49 @@ class _Recording:
                 and all((_meta(a) if isinstance(a := args[i], torch.Tensor) else a) == meta
                         for i, meta in self.metas.items()))
 
-    def outputs_free(self) -> bool:
-        """No one but this recording holds its output buffers (so a replay overwrites nothing in use)."""
-        return all(torch._C._storage_Use_Count(c) <= base for c, base in self._storages)
-
-
-# storage address of an output buffer -> its recording, so that a graph reading another's output
-# (a backward reading the forward's saved tensors) can read it in place
-_recorded_outputs: weakref.WeakValueDictionary[int, _Recording] = weakref.WeakValueDictionary()
-
-
-def is_recorded_output(t: torch.Tensor) -> bool:
-    return _storage_key(t) in _recorded_outputs
+    def run(self, args: list[Any]) -> list[torch.Tensor]:
+        """Copy in, replay, copy out: the output storages as fresh allocations outside the pool."""
+        if self.copy_idxs:
+            torch._foreach_copy_(self.recorded.inputs, [args[i] for i in self.copy_idxs])
+        self.recorded.replay()
+        fresh = [torch.empty_like(source) for source in self.sources]
+        if fresh:
+            torch._foreach_copy_(fresh, self.sources)
+        return fresh
 
 
 class GraphedFunction:
     """A compiled region function (boxed: called with a list of inputs) run as recorded graphs."""
 
     def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], name: str, recorder: GraphRecorder,
-                 module_state: Callable[[int, torch.Tensor], bool], *, warmup: int = 1, max_graphs: int = 3,
-                 max_signatures: int = 64, on_event: Callable[[str], None] | None = None) -> None:
+                 module_state: Callable[[int, torch.Tensor], bool], *, warmup: int = 1, max_signatures: int = 64,
+                 on_event: Callable[[str], None] | None = None) -> None:
         self.compiled = compiled
         self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy only those
         self.stats = ReplayStats(name)
         self._recorder = recorder
         self._module_state = module_state
-        self._module_state_idxs: set[int] = set()
         self._warmup = warmup
-        self._max_graphs = max_graphs  # recordings per signature: for callers that hold outputs
         self._max_signatures = max_signatures  # one per set of in-place addresses (a layer's parameters)
         self._on_event = on_event
         self._specs: list[_OutputSpec] = []
-        self._group_bytes: list[tuple[int, torch.device]] = []
+        self._groups = 0
         self._in_place_idxs: list[int] = []
         self._recordings: list[_Recording] = []
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if self.stats.fallback is not None or self._warmup > 0:
             return self._uncaptured(args, learn=self._warmup > 0)
-        recording = next((r for r in self._recordings if r.outputs_free() and r.matches(args, self._in_place_idxs)),
-                         None)
-        if recording is None:  # the slow path: count this signature's recordings, all busy
-            same = [r for r in self._recordings if r.matches(args, self._in_place_idxs)]
-            full = len(same) >= self._max_graphs or len(self._recordings) >= self._max_signatures
-            if full:
-                self.stats.uncaptured_calls += 1
-                if self.stats.uncaptured_calls == 1:
-                    self._event(f"all {len(same)} recordings of this signature had their outputs still held "
-                                f"(max_graphs={self._max_graphs}), or {len(self._recordings)} signatures were "
-                                f"recorded (parameters that move, a graph shared by many layers: at most "
-                                f"{self._max_signatures}); such calls run uncaptured")
-                return self._call(args)
+        recording = next((r for r in self._recordings if r.matches(args, self._in_place_idxs)), None)
+        if recording is None:
+            if len(self._recordings) >= self._max_signatures:
+                return self._beyond_signatures(args)
             recording = self._record(args)
             if recording is None:
                 return self._call(args)
-        self._feed(recording, args)
-        recording.replay(args)
+        fresh = recording.run(args)
         self.stats.replays += 1
-        return self._outputs(recording, args)
+        return self._outputs(recording, fresh, args)
 
     # --- running ---------------------------------------------------------------------------
 
@@ -240,15 +261,22 @@ class GraphedFunction:
             self.stats.uncaptured_calls += 1
         return outputs
 
+    def _beyond_signatures(self, args: list[Any]) -> list[Any]:
+        self.stats.uncaptured_calls += 1
+        if self.stats.uncaptured_calls == 1:
+            self._event(f"{len(self._recordings)} signatures were recorded (parameters that move, a graph shared "
+                        f"by many layers: at most max_signatures={self._max_signatures}); calls with a new one "
+                        f"run uncaptured")
+        return self._call(args)
+
     def _learn(self, args: list[Any], outputs: list[Any]) -> None:
         """From an uncaptured call: which inputs stay in place, what each output is."""
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         # module state: its sizes and strides are guarded by Dynamo, so only its address is checked
-        self._module_state_idxs = {i for i, a in tensors if self._module_state(i, a)}
-        self._in_place_idxs = sorted(self._module_state_idxs | {i for i, a in tensors if is_recorded_output(a)})
+        self._in_place_idxs = [i for i, a in tensors if self._module_state(i, a)]
         inputs = {_storage_key(a): i for i, a in tensors}
-        groups: dict[int, int] = {}  # storage address -> index of its output buffer
-        self._specs, self._group_bytes = [], []
+        groups: dict[int, int] = {}  # storage address -> index of its output storage
+        self._specs = []
         for out in outputs:
             if not isinstance(out, torch.Tensor):
                 self._specs.append(_OutputSpec(constant=out))
@@ -259,20 +287,16 @@ class GraphedFunction:
             if key in inputs:
                 self._specs.append(_OutputSpec(alias_of=inputs[key], view=_view(out)))
                 continue
-            if key not in groups:  # outputs that are views of one tensor share one buffer, as they did
-                groups[key] = len(self._group_bytes)
-                self._group_bytes.append((out.untyped_storage().nbytes(), out.device))
-            self._specs.append(_OutputSpec(group=groups[key], view=_view(out)))
+            # outputs that are views of one tensor share one storage, as they did
+            self._specs.append(_OutputSpec(group=groups.setdefault(key, len(groups)), view=_view(out)))
+        self._groups = len(groups)
 
-    def _feed(self, recording: _Recording, args: list[Any]) -> None:
-        if recording.copy_idxs:
-            torch._foreach_copy_(recording.buffers, [args[i] for i in recording.copy_idxs])
-
-    def _outputs(self, recording: _Recording, args: list[Any]) -> list[Any]:
+    def _outputs(self, recording: _Recording, fresh: list[torch.Tensor], args: list[Any]) -> list[Any]:
         results = []
-        for spec, base in zip(self._specs, recording.outputs):
-            if base is not None:
-                results.append(base.detach())  # a fresh alias: holding it marks the buffer as in use
+        for spec in self._specs:
+            if spec.group is not None:
+                copy = fresh[spec.group]
+                results.append(copy if recording.whole[spec.group] else _view_of(copy.untyped_storage(), spec.view))
             elif spec.alias_of is not None:
                 results.append(_view_of(args[spec.alias_of].untyped_storage(), spec.view))
             else:
@@ -282,32 +306,28 @@ class GraphedFunction:
 
     # --- recording -------------------------------------------------------------------------
 
+    def _differences(self, produced: Sequence[Any]) -> list[str]:
+        """How the recorded run's outputs differ from the warm-up's (views, shared storages)."""
+        sources: dict[int, int] = {}
+        found = []
+        for index, (spec, out) in enumerate(zip(self._specs, produced)):
+            if spec.group is not None and (_view(out) != spec.view
+                                           or sources.setdefault(spec.group, _storage_key(out)) != _storage_key(out)):
+                found.append(f"output {index} is {_view(out)}, was {spec.view}")
+        return found
+
     def _record(self, args: list[Any]) -> _Recording | None:
-        copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self._in_place_idxs]
-        buffers = [torch.empty_strided(args[i].shape, args[i].stride(), dtype=args[i].dtype, device=args[i].device)
-                   for i in copy_idxs]
-        storages = [torch.empty(n, dtype=torch.uint8, device=d).untyped_storage() for n, d in self._group_bytes]
-        outputs = [_view_of(storages[s.group], s.view) if s.group is not None else None for s in self._specs]
-        static_args = list(args)
-        for i, buffer in zip(copy_idxs, buffers):
-            static_args[i] = buffer
+        in_place = set(self._in_place_idxs)
+        copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
         mismatch: list[str] = []
 
-        def run(inputs: list[Any]) -> None:
-            produced = self.compiled(list(inputs))
-            sources: dict[int, torch.UntypedStorage] = {}
-            for index, (spec, out) in enumerate(zip(self._specs, produced)):
-                if spec.group is None:
-                    continue
-                source = sources.setdefault(spec.group, out.untyped_storage())
-                if _view(out) != spec.view or _storage_key(out) != source.data_ptr():
-                    mismatch.append(f"output {index} is {_view(out)}, was {spec.view}")
-                    return
-            for group, source in sources.items():
-                _bytes_of(storages[group]).copy_(_bytes_of(source))
+        def run(inputs: list[Any]) -> list[Any]:
+            produced = list(self.compiled(list(inputs)))
+            mismatch.extend(self._differences(produced))
+            return produced
 
         try:
-            replay = self._recorder.record(run, static_args, set(copy_idxs))
+            recorded = self._recorder.record(run, list(args), copy_idxs)
         except Exception as error:
             if strict():
                 raise
@@ -316,12 +336,10 @@ class GraphedFunction:
         if mismatch:
             self._give_up(f"the recorded run differed from the warm-up: {mismatch[0]}")
             return None
-        in_place = set(self._in_place_idxs)
         ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
         # numbers are recorded as constants: a different value needs a recording of its own
-        metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
-                 if i not in self._module_state_idxs}
-        recording = _Recording(ptrs, metas, copy_idxs, buffers, outputs, replay)
+        metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args) if i not in in_place}
+        recording = _Recording(ptrs, metas, copy_idxs, recorded, self._specs, self._groups)
         self._recordings.append(recording)
         self.stats.recordings += 1
         return recording

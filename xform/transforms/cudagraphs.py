@@ -4,7 +4,7 @@
 path. This transform finds, per Dynamo graph, the ops a CUDA graph cannot record
 (`xform.capture_safety`), partitions the rest into maximal regions (`xform.regions`), compiles
 each region with the handoff and records its forward and backward (`xform.replay`: one shared
-pool, outputs copied into buffers of their own inside the graph, never overwritten while held).
+pool, nothing live in it between replays, outputs copied out into the caller's own tensors).
 Ops that break a region run as compiled, between the replays; the report names each with the
 user's line, the reason and the fix.
 """
@@ -29,6 +29,11 @@ from xform.transform import Transform, option_error
 
 NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): CUDA graphs need an NVIDIA GPU, so the "
           "graph runs as compiled, without them")
+
+
+OPTIONS = ("min_region_ops", "max_signatures", "warmup")
+REMOVED = {"max_graphs": "outputs are copied out of the pool after every replay, so one recording per signature "
+                         "serves callers that hold outputs"}
 
 
 def available_recorder() -> GraphRecorder | None:
@@ -92,14 +97,16 @@ class CudaGraphs(Transform):
 
     name = "cudagraphs"
 
-    def __init__(self, *, min_region_ops: int = 2, max_graphs: int = 3, max_signatures: int = 64,
-                 warmup: int = 1) -> None:
-        for option, value, low in (("min_region_ops", min_region_ops, 1), ("max_graphs", max_graphs, 1),
-                                   ("max_signatures", max_signatures, 1), ("warmup", warmup, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise option_error(self.name, option, value, f"an int >= {low}")
+    def __init__(self, *, min_region_ops: int = 2, max_signatures: int = 64, warmup: int = 1, **unknown: Any) -> None:
+        if unknown:  # a ValueError, as for bad values, rather than Python's TypeError
+            option, value = next(iter(unknown.items()))
+            why = f" ({option} was removed: {REMOVED[option]})" if option in REMOVED else ""
+            raise option_error(self.name, option, value, f"only the options {', '.join(OPTIONS)}{why}")
+        for option, value in (("min_region_ops", min_region_ops), ("max_signatures", max_signatures),
+                              ("warmup", warmup)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise option_error(self.name, option, value, "an int >= 1")
         self.min_region_ops = min_region_ops
-        self.max_graphs = max_graphs
         self.max_signatures = max_signatures
         self.warmup = warmup
         self.functions: list[GraphedFunction] = []  # every recorded region function, with its ReplayStats
@@ -137,14 +144,17 @@ class CudaGraphs(Transform):
     def _wrapper(self, recorder: GraphRecorder, module_state: set[Layout],
                  record: TransformRecord) -> Callable[[Callable[..., Any], str, Sequence[int]], GraphedFunction]:
         def wrap(compiled: Callable[..., Any], kind: str, static_input_idxs: Sequence[int]) -> GraphedFunction:
-            static = set(static_input_idxs)
+            # Inductor counts a backward's saved tensors as static (CUDA Graph Trees keep the
+            # forward's outputs in place); here they are fresh copies each step, so only the
+            # module state among them is read in place
+            static = set(static_input_idxs) if kind != "backward" else set()
 
             def is_module_state(index: int, t: torch.Tensor) -> bool:
                 return index in static or isinstance(t, nn.Parameter) or _layout(t) in module_state
 
             function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, is_module_state,
-                                       warmup=self.warmup, max_graphs=self.max_graphs,
-                                       max_signatures=self.max_signatures, on_event=record.note)
+                                       warmup=self.warmup, max_signatures=self.max_signatures,
+                                       on_event=record.note)
             self.functions.append(function)
             return function
 
