@@ -1,16 +1,24 @@
 """CUDA graphs: xform's `cudagraphs` transform against Inductor without graphs and `mode="reduce-overhead"`.
 
 Every configuration runs in a process of its own (memory peaks and graph pools do not mix), one
-after another on the same GPU:
+after another on the same GPU (memory runs several at a time with `--jobs`):
 
 - decode: the llama-style decoder (16 layers, dim 2048, static KV cache of 1024, bf16), one token
   a step, batch 1 and 8, as written and with a host sync (`.item()`) in every layer; ms a step.
-- memory: peak reserved GPU memory over the same run without CUDA graphs, where graph pools cost:
-  `train-breaks` (an 8-layer training step with a graph break after every layer, `Llama(graph_breaks=True)`) and `buckets`
-  (inference at four batch sizes, each its own recorded graph, as servers record them).
+- memory: peak reserved GPU memory over the same run without CUDA graphs, where graph pools cost.
+  Training (8 layers, fwd + bwd + AdamW, 8 steps): `train` (4 x 512 tokens, one graph),
+  `train-breaks` (the same with a graph break after every layer, `Llama(graph_breaks=True)`) and
+  `train-breaks-big` (the same at 8 x 1024 tokens: four times the activations). Inference at
+  several batch sizes, each its own static graph (`dynamic=False`), as servers record them, 4
+  rounds: `buckets` (8 layers, batch 1, 2, 4, 8 x 256 tokens) and `buckets-big` (16 layers, batch
+  1, 2, 4, 8, 16, 32 x 512 tokens).
 
     python bench/cudagraphs.py [--out DIR] [--only decode]   # all of it, or part (needs a CUDA GPU)
-    python bench/cudagraphs.py --one decode:sync:1:xform   # one configuration, prints its JSON
+    python bench/cudagraphs.py --only memory --jobs 6        # memory runs 6 processes at a time
+    python bench/cudagraphs.py --one decode:sync:1:xform     # one configuration, prints its JSON
+
+`--jobs` overlaps only memory runs (a peak is per process, so it does not mix; their seconds do);
+decode runs, which are timed, always run alone.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +43,12 @@ from bench.models import DecodeLlama, Llama, LlamaConfig  # noqa: E402
 
 CONFIGS = ("inductor", "reduce-overhead", "xform")
 DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync") for b in (1, 8) for c in CONFIGS]
-MEMORY = [f"memory:{w}:{c}" for w in ("train-breaks", "buckets") for c in CONFIGS]
+TRAIN = {"train": (LlamaConfig(layers=8, max_seq=512), False, (4, 512)),
+         "train-breaks": (LlamaConfig(layers=8, max_seq=512), True, (4, 512)),
+         "train-breaks-big": (LlamaConfig(layers=8, max_seq=1024), True, (8, 1024))}
+BUCKETS = {"buckets": (LlamaConfig(layers=8, max_seq=256), (1, 2, 4, 8), 256),
+           "buckets-big": (LlamaConfig(layers=16, max_seq=512), (1, 2, 4, 8, 16, 32), 512)}
+MEMORY = [f"memory:{w}:{c}" for w in (*TRAIN, *BUCKETS) for c in CONFIGS]
 
 
 TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
@@ -83,33 +97,41 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
 
 
+def training_calls(workload: str, config: str) -> list[Callable[[], None]]:
+    """Eight training steps of a TRAIN workload: compiled forward and backward, eager loss and AdamW."""
+    c, graph_breaks, (batch, seq) = TRAIN[workload]
+    model = Llama(c, graph_breaks=graph_breaks).to("cuda", torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    step = compiled(model, config)
+    tokens = torch.randint(c.vocab, (batch, seq), device="cuda")
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        step(tokens).float().square().mean().backward()
+        optimizer.step()
+
+    return [run] * 8
+
+
+def bucket_calls(workload: str, config: str) -> list[Callable[[], None]]:
+    """Four rounds of inference at each batch size of a BUCKETS workload."""
+    c, batches, seq = BUCKETS[workload]
+    model = Llama(c).to("cuda", torch.bfloat16).eval()
+    step = compiled(model, config, dynamic=False)  # one static graph per batch size, as servers record
+    inputs = [torch.randint(c.vocab, (b, seq), device="cuda") for b in batches]
+
+    def infer(tokens: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                step(tokens)
+        return run
+
+    return [infer(t) for t in inputs] * 4
+
+
 def memory(workload: str, config: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    c = LlamaConfig(layers=8, max_seq=512)
-    if workload == "train-breaks":
-        model = Llama(c, graph_breaks=True).to("cuda", torch.bfloat16)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        step = compiled(model, config)
-        tokens = torch.randint(c.vocab, (4, 512), device="cuda")
-
-        def run() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            step(tokens).float().square().mean().backward()
-            optimizer.step()
-
-        calls = [run] * 8
-    else:
-        model = Llama(c).to("cuda", torch.bfloat16).eval()
-        step = compiled(model, config, dynamic=False)  # one static graph per batch size, as servers record
-        batches = [torch.randint(c.vocab, (b, 256), device="cuda") for b in (1, 2, 4, 8)]
-
-        def infer(tokens: torch.Tensor) -> Callable[[], None]:
-            def run() -> None:
-                with torch.no_grad():
-                    step(tokens)
-            return run
-
-        calls = [infer(t) for t in batches] * 4
+    calls = training_calls(workload, config) if workload in TRAIN else bucket_calls(workload, config)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for call in calls:
@@ -131,16 +153,24 @@ def run_one(spec: str) -> dict[str, Any]:
     return {"spec": spec, **result, **({"xform": replay_stats()} if TRANSFORMS else {})}
 
 
-def run_all(specs: list[str], out: Path | None) -> list[dict[str, Any]]:
-    rows = []
-    for spec in specs:
-        done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), None)
-        row = json.loads(line) if line and done.returncode == 0 else {"spec": spec, "error": done.stderr[-2000:]}
-        print(json.dumps(row)[:400], flush=True)
-        rows.append(row)
-    return rows
+def run_spec(spec: str, env: dict[str, str]) -> dict[str, Any]:
+    """One configuration in a process of its own: its JSON row, or the end of its stderr."""
+    done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), None)
+    row = json.loads(line) if line and done.returncode == 0 else {"spec": spec, "error": done.stderr[-2000:]}
+    print(json.dumps(row)[:400], flush=True)
+    return row
+
+
+def run_all(specs: list[str], jobs: int) -> list[dict[str, Any]]:
+    """Memory runs `jobs` at a time (each process's Inductor gets its share of the CPUs), then
+    the timed runs one by one."""
+    overlapping = [s for s in specs if s.startswith("memory") and jobs > 1]
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        rows = list(pool.map(lambda spec: run_spec(spec, env), overlapping))
+    return rows + [run_spec(s, {}) for s in specs if s not in overlapping]
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -161,8 +191,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ratio = (round(over["xform"] / over["reduce-overhead"], 3)
                      if over["xform"] is not None and over["reduce-overhead"] else None)
             table.append({"case": case, **{f"{c} GiB": peak[c] for c in CONFIGS},
-                          "overhead xform/reduce-overhead": ratio,
-                          **{f"{c} s": got[c].get("seconds") for c in CONFIGS}})
+                          **{f"{c} overhead GiB": over[c] for c in CONFIGS[1:]},
+                          "overhead xform/reduce-overhead": ratio})
     return table
 
 
@@ -171,6 +201,7 @@ def main() -> None:
     parser.add_argument("--one", help="run one configuration in this process and print its JSON")
     parser.add_argument("--only", help="run only the configurations whose name contains this (e.g. decode, :8:)")
     parser.add_argument("--out", type=Path, help="directory for the JSON result (default bench/results)")
+    parser.add_argument("--jobs", type=int, default=1, help="memory runs at a time (default 1)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one)))
@@ -178,7 +209,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/cudagraphs.py needs a CUDA GPU")
     specs = [s for s in DECODE + MEMORY if args.only is None or args.only in s]
-    rows = run_all(specs, args.out)
+    rows = run_all(specs, args.jobs)
     table = summarize(rows)
     for part in ("decode", "memory"):
         part_rows = [r for r in table if r["case"].startswith(part)]

@@ -60,7 +60,7 @@ class BreakLayer(nn.Module):
 
 def test_recordings_hold_no_memory_between_training_steps():
     model = nn.Sequential(*[BreakLayer() for _ in range(4)]).cuda()
-    x = torch.randn(4096, 2048, device="cuda")  # 32 MiB a saved activation, about 400 MiB saved a step
+    x = torch.randn(8192, 2048, device="cuda")  # 64 MiB a saved activation, about 800 MiB saved a step
     transform = CudaGraphs()
     step = torch.compile(model, backend=xform.Backend([transform]))
 
@@ -77,8 +77,12 @@ def test_recordings_hold_no_memory_between_training_steps():
     stats = [f.stats for f in transform.functions]
     assert all(s.fallback is None and s.uncaptured_calls == 0 for s in stats)
     assert {s.name.split()[0] for s in stats if s.recordings} == {"forward", "backward"}
-    # what stays is only cuBLAS's workspace for the capture stream (and nothing per recording)
-    assert torch.cuda.memory_allocated() - start < 64 * 2**20
+    # what stays is cuBLAS's workspaces for the capture stream (one per thread: forward, backward),
+    # nothing per recording
+    left = torch.cuda.memory_allocated() - start
+    print(f"allocated after the steps: {left / 2**20:.1f} MiB more than before; reserved "
+          f"{torch.cuda.memory_reserved() / 2**20:.0f} MiB")
+    assert left < 256 * 2**20
 
 
 def test_training_step_records_forward_and_backward():

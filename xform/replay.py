@@ -232,11 +232,12 @@ class GraphedFunction:
         self._groups = 0
         self._in_place_idxs: list[int] = []
         self._recordings: list[_Recording] = []
+        self._last = -1  # index of the recording that matched last
 
     def __call__(self, args: list[Any]) -> list[Any]:
         if self.stats.fallback is not None or self._warmup > 0:
             return self._uncaptured(args, learn=self._warmup > 0)
-        recording = next((r for r in self._recordings if r.matches(args, self._in_place_idxs)), None)
+        recording = self._find(args)
         if recording is None:
             if len(self._recordings) >= self._max_signatures:
                 return self._beyond_signatures(args)
@@ -248,6 +249,17 @@ class GraphedFunction:
         return self._outputs(recording, fresh, args)
 
     # --- running ---------------------------------------------------------------------------
+
+    def _find(self, args: list[Any]) -> _Recording | None:
+        """The recording of `args`' signature, tried from the one after the last match: the layers
+        sharing a compiled graph call it in order, so the first one tried is the one."""
+        count = len(self._recordings)
+        for k in range(1, count + 1):
+            index = (self._last + k) % count
+            if self._recordings[index].matches(args, self._in_place_idxs):
+                self._last = index
+                return self._recordings[index]
+        return None
 
     def _call(self, args: list[Any]) -> list[Any]:
         return list(self.compiled(list(args)))
@@ -341,6 +353,7 @@ class GraphedFunction:
         metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args) if i not in in_place}
         recording = _Recording(ptrs, metas, copy_idxs, recorded, self._specs, self._groups)
         self._recordings.append(recording)
+        self._last = len(self._recordings) - 1
         self.stats.recordings += 1
         return recording
 
