@@ -48,7 +48,9 @@ TRAIN = {"train": (LlamaConfig(layers=8, max_seq=512), False, (4, 512)),
          "train-breaks-big": (LlamaConfig(layers=8, max_seq=1024), True, (8, 1024))}
 BUCKETS = {"buckets": (LlamaConfig(layers=8, max_seq=256), (1, 2, 4, 8), 256),
            "buckets-big": (LlamaConfig(layers=16, max_seq=512), (1, 2, 4, 8, 16, 32), 512)}
-MEMORY = [f"memory:{w}:{c}" for w in (*TRAIN, *BUCKETS) for c in CONFIGS]
+# the longest to compile first, so that overlapping runs (--jobs) end together
+MEMORY = [f"memory:{w}:{c}" for w in ("buckets-big", "train", "train-breaks-big", "train-breaks", "buckets")
+          for c in CONFIGS]
 
 
 TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
