@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from xform.fx_rewrite import example_value
-from xform.linear_layers import is_linear, linear_operands
+from xform.linear_layers import computes_linear, linear_operands
 
 Slot = tuple[str, Any]  # ("arg", index) or ("kwarg", name): where an operand sits in a node's call
 
@@ -174,7 +174,7 @@ class _Propagation:
                 state = self.plan.sharded[next(iter(nested))]
                 raise _Poison(_origins(state), f"{_describe(node)} reads a sharded activation inside a "
                                                f"container, which tensor parallelism does not follow")
-            if is_linear(node):
+            if computes_linear(node):
                 self.linear(node, ins)
             elif ins or (nested and node.target in (torch.cat, torch.stack)):
                 out = self.op(node, ins)
@@ -527,7 +527,7 @@ def plan_tensor_parallel(graph: fx.Graph, world: int, column_ok: Callable[[fx.No
     refused: dict[fx.Node, str] = {}
     candidates = set()
     for node in graph.nodes:
-        if is_linear(node):
+        if computes_linear(node):
             reason = column_ok(node)
             if reason is None:
                 candidates.add(node)

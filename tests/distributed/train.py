@@ -125,6 +125,7 @@ def main() -> None:
             "notes": [n for g in report.graphs for t in g.transforms for n in t.notes] if report else [],
             "changes": len(report.changes("distribute")) if report else 0,
             "skips": [[s.target, s.reason] for s in report.skips("distribute")] if report else [],
+            "attention_changes": len(report.changes("flex-attention")) if report else 0,
             "eval_logits_sum": eval_logits,
         }))
     if dist.is_initialized():
