@@ -110,6 +110,28 @@ def test_llama_block_with_grouped_query_attention_and_rotary_embeddings():
     assert plan.narrow == {}  # cos/sin broadcast over the heads: nothing to cut
 
 
+class FusedKeyValue(nn.Module):
+    """k and v from one Linear, viewed as (b, s, 2, kv_heads, head_dim) and unpacked (bench/models.py's way)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wkv, self.wo = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q = self.wq(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k, v = self.wkv(x).view(b, s, 2, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return self.wo(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
+
+
+def test_a_split_that_n_divides_twice_is_cut_by_heads_after_trying_key_value():
+    plan = plan_of(FusedKeyValue(), torch.randn(2, 8, 32))  # 2 ranks divide both the k/v pair and the heads
+
+    assert layers(plan.columns) == {"wq": 1, "wkv": 2}  # wkv's rows: the k block and the v block, each by heads
+    assert layers(plan.rows) == {"wo": 1}
+
+
 def test_hand_written_attention():
     plan = plan_of(nn.Sequential(HandWrittenAttention()), torch.randn(2, 8, 32))
 
@@ -184,3 +206,11 @@ def test_a_per_feature_scale_after_a_column_layer_is_cut_and_its_gradient_summed
 ])
 def test_view_groups(src, dst, groups):
     assert [(tuple(a), tuple(b)) for a, b in view_groups(src, dst)] == groups
+
+
+def test_fewer_key_value_heads_than_ranks_leaves_attention_replicated_and_says_why():
+    cos, sin = torch.randn(8, 16), torch.randn(8, 16)
+    plan = plan_of(LlamaBlock(heads=4, kv_heads=2), torch.randn(2, 8, 64), cos, sin, world=4)
+
+    assert sorted(layers(plan.columns)) == ["gate", "up"]  # the MLP is still cut
+    assert "attention needs query, key and value all sharded by heads" in layers(plan.refused)["q"]

@@ -129,10 +129,13 @@ class _Propagation:
     """One forward pass of shardings over the graph, for a given set of column candidates."""
 
     def __init__(self, graph: fx.Graph, candidates: set[fx.Node], row_ok: Callable[[fx.Node], str | None],
-                 world: int) -> None:
+                 world: int, choices: dict[fx.Node, int]) -> None:
         self.graph, self.candidates, self.row_ok, self.world = graph, candidates, row_ok, world
         self.plan = TensorParallelPlan(world)
         self.layout: dict[fx.Node, int] = {}  # column linear -> decided layout
+        self.choices = choices  # view splitting open features -> which of its candidate sub-dims to cut
+        self.options: dict[fx.Node, int] = {}  # such a view -> how many candidate sub-dims it has
+        self.decided_by: dict[fx.Node, fx.Node] = {}  # column linear -> the view that chose its layout
 
     # -- layouts ---------------------------------------------------------------------------------
     def fix(self, state: Sharded, outer: int, at: fx.Node) -> Sharded:
@@ -310,11 +313,14 @@ def _view(p: _Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
     open_layout = state.outer is None and not any(o in p.layout for o in state.origins)
     if open_layout and len(ins_dims) == 1 and len(out_dims) == 1:
         out = Sharded(out_dims[0], None, state.origins)  # the features themselves, still open
-    elif open_layout and len(ins_dims) == 1:  # the features split: cut the first sub-dim N divides
-        t = next((t for t, size in enumerate(out_sizes) if size % p.world == 0), None)
-        if t is None:
+    elif open_layout and len(ins_dims) == 1:  # the features split: cut a sub-dim N divides (first: the outermost)
+        options = [t for t, size in enumerate(out_sizes) if size % p.world == 0]
+        if not options:
             raise _Poison(state.origins, f"{_describe(node)} splits the sharded features into {tuple(out_sizes)}, "
                                          f"none of which divides by {p.world} ranks")
+        t = options[p.choices.get(node, 0)]
+        p.options[node] = len(options)
+        p.decided_by.update(dict.fromkeys(state.origins, node))
         p.fix(state, math.prod(out_sizes[:t]), node)
         out = Sharded(out_dims[t], 1, state.origins)
     else:
@@ -533,8 +539,10 @@ def plan_tensor_parallel(graph: fx.Graph, world: int, column_ok: Callable[[fx.No
                 candidates.add(node)
             else:
                 refused[node] = reason
+    choices: dict[fx.Node, int] = {}
+    first_failure: dict[fx.Node, str] = {}  # view -> why its preferred cut failed: the reason worth reporting
     while True:
-        walk = _Propagation(graph, candidates, row_ok, world)
+        walk = _Propagation(graph, candidates, row_ok, world, choices)
         try:
             walk.run()
             for column in candidates & walk.plan.sharded.keys():
@@ -543,11 +551,25 @@ def plan_tensor_parallel(graph: fx.Graph, world: int, column_ok: Callable[[fx.No
                     raise _Poison({column}, f"its {features} output features{f' in {outer} blocks' if outer > 1 else ''}"
                                             f" do not divide by {world} ranks")
         except _Poison as poison:
+            view = _view_with_another_choice(walk, poison.origins)
+            if view is not None:  # cut another sub-dim of the split features (heads rather than k/v) first
+                first_failure.setdefault(view, poison.reason)
+                choices[view] = choices.get(view, 0) + 1
+                continue
             for origin in poison.origins:
-                refused[origin] = poison.reason
+                refused[origin] = first_failure.get(walk.decided_by.get(origin), poison.reason)
             candidates -= poison.origins
             continue
         plan = walk.plan
         plan.columns = {n: walk.layout.get(n, 1) for n in candidates if n in plan.sharded}
         plan.refused = {n: r for n, r in refused.items() if n not in plan.rows}
         return plan
+
+
+def _view_with_another_choice(walk: _Propagation, origins: frozenset[fx.Node]) -> fx.Node | None:
+    """The view that chose the layout of some of `origins` and has a candidate sub-dim left to try."""
+    for origin in origins:
+        view = walk.decided_by.get(origin)
+        if view is not None and walk.choices.get(view, 0) + 1 < walk.options[view]:
+            return view
+    return None
