@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 import xform
+from distributed.train import TinyLM
+from xform.sharding import ShardedParameter, ShardSpec, is_local
 from xform.transforms import Distribute
-from xform.transforms.distribute import ShardedParameter, _is_local
 
 TRAIN = Path(__file__).resolve().parent / "distributed" / "train.py"
 STEPS = 10
@@ -87,6 +88,65 @@ def test_fsdp_composes_with_float8_rowwise(tmp_path):
     assert sharded["changes"] == 27
 
 
+def tensor_parallel_bytes(processes: int) -> int:
+    """Parameter bytes per rank when every block's qkv, proj, up and down weights (and the column
+    layers' biases) are cut over `processes` ranks, and the rest (embedding, norms, head) is not."""
+    model = TinyLM()
+    cut = [p for name, p in model.named_parameters() if name.startswith("blocks.") and
+           any(f".{layer}." in name for layer in ("qkv", "proj", "up", "down")) and not
+           (name.endswith("bias") and (".proj." in name or ".down." in name))]
+    full = sum(p.nbytes for p in model.parameters())
+    return full - sum(p.nbytes for p in cut) * (processes - 1) // processes
+
+
+HEAD_STAYS = [["head", "stays replicated: its sharded output reaches the graph's output"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [2, 4])
+def test_tensor_parallel_training_matches_one_process(tmp_path, single, processes):
+    result = run(tmp_path, processes, "--way", "xform", "--strategy", "tp", "--steps", str(STEPS))
+
+    assert_losses(result, single, EXACT)
+    assert result["changes"] == 12  # per block: qkv weight+bias, up weight+bias (column), proj and down weights (row)
+    assert result["skips"] == HEAD_STAYS
+    assert result["param_bytes"] == [tensor_parallel_bytes(processes)] * processes
+    assert result["state_dict_full_shapes"] is True and result["reloaded"] is True
+
+
+@pytest.mark.slow
+def test_tensor_parallel_through_inductor_and_a_recompile(tmp_path):
+    alone = run(tmp_path, 1, "--way", "single", "--steps", str(STEPS), "--eval-batch", "3")
+    result = run(tmp_path, 2, "--way", "xform", "--strategy", "tp", "--handoff", "inductor", "--steps", str(STEPS),
+                 "--eval-batch", "3")
+    assert_losses(result, alone, 1e-4)
+    assert abs(result["eval_logits_sum"] - alone["eval_logits_sum"]) < 1e-3  # batch 3 retraces the cut model
+
+
+@pytest.mark.slow
+def test_tensor_parallel_composes_with_flex_attention_and_float8(tmp_path, single):
+    flex = run(tmp_path, 2, "--way", "xform", "--strategy", "tp", "--flex", "--steps", str(STEPS))
+    assert_losses(flex, single, EXACT)
+    assert flex["attention_changes"] > 0 and flex["changes"] == 12
+
+    alone = run(tmp_path, 1, "--way", "xform", "--strategy", "tp", "--quantize", "float8-rowwise", "--steps",
+                str(STEPS))
+    cut = run(tmp_path, 2, "--way", "xform", "--strategy", "tp", "--quantize", "float8-rowwise", "--steps",
+              str(STEPS))
+    assert_losses(cut, alone, 5e-3)  # row-parallel layers scale each rank's slice of the features on its own
+    assert cut["changes"] == 12
+
+
+@pytest.mark.slow
+def test_fsdp_plus_tp_on_a_two_by_two_mesh(tmp_path, single):
+    result = run(tmp_path, 4, "--way", "xform", "--strategy", "fsdp+tp", "--tp-size", "2", "--steps", str(STEPS))
+
+    assert_losses(result, single, EXACT)
+    assert result["changes"] == 12 + 27  # cut by tensor parallelism, then every parameter sharded over 2
+    assert all(b <= tensor_parallel_bytes(2) / 2 * 1.05 for b in result["param_bytes"])
+    assert result["state_dict_full_shapes"] is True and result["reloaded"] is True
+
+
 @pytest.mark.slow
 def test_fsdp_through_inductor(tmp_path, single):
     result = run(tmp_path, 2, "--way", "xform", "--strategy", "fsdp", "--handoff", "inductor", "--steps", str(STEPS))
@@ -106,9 +166,22 @@ def test_strategy_errors():
     with pytest.raises(ValueError, match=r"transform 'distribute': option strategy='zero3' is not accepted; "
                                          r"accepted: ddp, fsdp, tp, fsdp\+tp"):
         Distribute("zero3")
-    with pytest.raises(xform.TransformNotAvailable, match=r"strategy 'tp' \(tensor parallelism\) is not available "
-                                                          r"yet \(issue #3\); 'ddp' and 'fsdp' are"):
-        xform.Backend(["distribute:tp"])
+    with pytest.raises(ValueError, match=r"option tp_size=2 is not accepted; accepted: an int >= 2, with strategy "
+                                         r"'fsdp\+tp' only"):
+        Distribute("tp", tp_size=2)
+    with pytest.raises(ValueError, match=r"option mesh='world' is not accepted; accepted: None \(the world group\), "
+                                         r"a 1-D DeviceMesh or a ProcessGroup"):
+        Distribute("tp", mesh="world")
+    with pytest.raises(ValueError, match=r"option mesh=.* accepted: None \(a \(world / tp_size, tp_size\) mesh is "
+                                         r"built\) or a 2-D DeviceMesh"):
+        Distribute("fsdp+tp", mesh="a process group")
+
+
+def test_tensor_parallelism_must_come_before_flex_attention():
+    with pytest.raises(ValueError, match=r"transform 'distribute' must come before 'flex-attention' \(tensor "
+                                         r"parallelism cuts attention by heads"):
+        xform.Backend(["flex-attention", "distribute:tp"])
+    xform.Backend(["flex-attention", "distribute:fsdp"])  # data parallelism does not care
 
 
 def test_distribute_must_come_after_quantize():
@@ -125,15 +198,16 @@ def test_distribute_must_come_after_quantize():
     (torch.Tensor.t, False), (torch.Tensor.sum, False), (torch.Tensor.__mul__, False),
 ])
 def test_sharded_parameter_gathers_for_computations_only(func, local):
-    assert _is_local(func) is local
+    assert is_local(func) is local
 
 
 def test_sharded_parameter_keeps_its_type_through_copies():
     shard = torch.Tensor._make_subclass(ShardedParameter, torch.randn(4, 3), True)
-    shard.full_rows, shard.group_name = 8, "0"
+    shard.shards = (ShardSpec(0, 8, "0"),)
     param = nn.Parameter(shard)
     for copy in (param.detach(), param.clone(), param.float()):
-        assert type(copy) is ShardedParameter and copy.full_rows == 8 and copy.shape == (4, 3)
+        assert type(copy) is ShardedParameter and copy.shards == shard.shards and copy.shape == (4, 3)
+        assert copy.full_shape == (8, 3)
 
 
 def test_fsdp_asks_inductor_for_communication_overlap_and_the_user_can_say_no():

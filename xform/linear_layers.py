@@ -58,6 +58,12 @@ def is_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.linear
 
 
+def computes_linear(node: fx.Node) -> bool:
+    """A call computing `F.linear(x, weight, bias)` with those operands: F.linear itself, or a call
+    target that says so (quantize's torchao module forwards)."""
+    return is_linear(node) or (node.op == "call_function" and getattr(node.target, "computes_linear", False))
+
+
 def linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
     """(input, weight, bias) of a `linear` call node, wherever the caller put them."""
     args = list(node.args) + [None] * (3 - len(node.args))

@@ -4,7 +4,8 @@
 
 --way: "xform" (xform.compile with distribute:<strategy>), "single" (one process, no distribution),
 "ddp" (torch DDP by hand), "fsdp2" (torch FSDP2 fully_shard by hand). Every way sees the same
-global batch each step; each rank takes its slice of it, so all ways compute the same losses.
+global batch each step; each data-parallel rank takes its slice of it (tensor-parallel ranks share
+theirs), so all ways compute the same losses.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main() -> None:
     parser.add_argument("--handoff", default="eager")
     parser.add_argument("--quantize", default=None)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tp-size", type=int, default=None, help="fsdp+tp: ranks per tensor-parallel group")
+    parser.add_argument("--flex", action="store_true", help="also flex-attention (after distribute)")
+    parser.add_argument("--eval-batch", type=int, default=0, help="then run eval at this batch size (a recompile)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -59,8 +63,9 @@ def main() -> None:
     targets = torch.randint(0, 64, (args.steps, 8, 16))
 
     if args.way == "xform":
-        transforms = ([f"quantize:{args.quantize}"] if args.quantize else []) + [f"distribute:{args.strategy}"]
-        step_model = xform.compile(model, *transforms, handoff=args.handoff)
+        distribute = xform.transforms.Distribute(args.strategy, tp_size=args.tp_size)
+        transforms = ([f"quantize:{args.quantize}"] if args.quantize else []) + [distribute]
+        step_model = xform.compile(model, *transforms, *(["flex-attention"] if args.flex else []), handoff=args.handoff)
     elif args.way == "ddp":
         step_model = nn.parallel.DistributedDataParallel(model)
     elif args.way == "fsdp2":
@@ -74,8 +79,10 @@ def main() -> None:
         step_model = model
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; xform initializes the process group itself
 
+    data_parallel = _data_parallel_ranks(args, world)
+
     def local(batch: torch.Tensor) -> torch.Tensor:
-        return batch.chunk(world)[rank]
+        return batch.chunk(data_parallel)[rank // (world // data_parallel)]
 
     losses, optimizer = [], None
     for step in range(args.steps):
@@ -91,6 +98,11 @@ def main() -> None:
             dist.all_reduce(mean)
             mean /= world
         losses.append(mean.item())
+
+    eval_logits = None
+    if args.eval_batch:  # another batch size: Dynamo recompiles the sharded model
+        with torch.no_grad():
+            eval_logits = step_model(tokens[0][:args.eval_batch]).sum().item()
 
     local_bytes = sum(p.untyped_storage().nbytes() if not hasattr(p, "to_local") else p.to_local().nbytes
                       for p in model.parameters())
@@ -112,11 +124,21 @@ def main() -> None:
             "state_dict_full_shapes": full_shapes, "reloaded": reloaded,
             "notes": [n for g in report.graphs for t in g.transforms for n in t.notes] if report else [],
             "changes": len(report.changes("distribute")) if report else 0,
+            "skips": [[s.target, s.reason] for s in report.skips("distribute")] if report else [],
+            "attention_changes": len(report.changes("flex-attention")) if report else 0,
+            "eval_logits_sum": eval_logits,
         }))
     if dist.is_initialized():
         del step_model  # DDP's reducer must go before its process group (torch 2.11 aborts otherwise)
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _data_parallel_ranks(args: argparse.Namespace, world: int) -> int:
+    """How many different slices of the batch the ranks take (tensor-parallel ranks share one)."""
+    if args.way != "xform" or "tp" not in args.strategy:
+        return world
+    return world // (args.tp_size or 2) if args.strategy == "fsdp+tp" else 1
 
 
 if __name__ == "__main__":

@@ -1,29 +1,35 @@
-"""`Distribute`: a single-device model runs data-parallel or sharded (FSDP-style) under torchrun.
+"""`Distribute`: a single-device model runs data-parallel, sharded (FSDP-style) or tensor-parallel under torchrun.
 
-`Distribute(strategy="ddp"|"fsdp"|"tp"|"fsdp+tp", mesh=None)`, spec `distribute:<strategy>`. The
-user launches with `torchrun`; xform initializes the process group if needed (NCCL on CUDA, gloo
-on CPU) and uses the world group unless given a 1-D DeviceMesh or a ProcessGroup as `mesh`.
+`Distribute(strategy="ddp"|"fsdp"|"tp"|"fsdp+tp", mesh=None, tp_size=None)`, spec
+`distribute:<strategy>`. The user launches with `torchrun`; xform initializes the process group if
+needed (NCCL on CUDA, gloo on CPU) and uses the world group unless given a 1-D DeviceMesh or a
+ProcessGroup as `mesh` (for `fsdp+tp`: a 2-D DeviceMesh, data-parallel dim first).
 
-What it changes, per graph:
+What it changes, per graph (all in `transform_graph`, since tensor parallelism must read the
+graph to know how to cut each weight):
 - `ddp`: parameters stay as they are (replicated); each parameter the graph reads goes through
   an identity whose backward all-reduces (averages) its gradient. In the AOT backward graph the
   all-reduces are merged into buckets of about 25 MB (`bucket_all_reduces`).
-- `fsdp` (Inductor reorders the all-gathers for compute/communication overlap): each floating parameter is replaced by a `ShardedParameter` holding this rank's 1/N of
-  it (dim 0, padded to a multiple of N): the module holds the shard, so an optimizer created after
-  the first call steps shards, and the guard on it expects the shard's shape. The graph
-  all-gathers each shard where it is read; the all-gather's backward reduce-scatters (averages)
-  the gradient. `state_dict()` gives full tensors (gathered, so every rank must call it) and
-  `load_state_dict` takes them back.
-`ShardedParameter` keeps the eager meaning: any computation with it sees the full tensor (it
-gathers), while in-place updates (an optimizer) and metadata see the local shard. That is what
-lets a recompile retrace the sharded model.
-
-Single process (WORLD_SIZE 1, no process group): nothing changes, and the report says so.
-Tensor parallelism (`tp`, `fsdp+tp`) is not built yet and says so.
+- `fsdp` (Inductor reorders the all-gathers for compute/communication overlap): each floating
+  parameter is replaced by a `ShardedParameter` holding this rank's 1/N of it (dim 0, padded to a
+  multiple of N): the module holds the shard, so an optimizer created after the first call steps
+  shards, and the guard on it expects the shard's shape. The graph all-gathers each shard where it
+  is read; the all-gather's backward reduce-scatters (averages) the gradient.
+- `tp`: the graph's column/row-parallel Linear pairs are found by following shardings through it
+  (`xform.tp_plan`: attention's qkv -> out projection, the MLP's up/gate -> down) and cut
+  Megatron-style (`xform.tp_rewrite`): every rank runs the same batch on its 1/N of the heads and
+  of the hidden features, with one all-reduce per pair forward (and one backward). Linears it
+  cannot pair stay replicated, and the report says why for each.
+- `fsdp+tp`: on a (data-parallel, tensor-parallel) mesh, `tp` over the second dim, then `fsdp` of
+  every (already cut) parameter over the first.
+`state_dict()` gives full tensors (gathered, so every rank must call it) and `load_state_dict`
+takes them back, each rank keeping its cut. Single process (WORLD_SIZE 1, no process group):
+nothing changes, and the report says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 from typing import Any
@@ -33,171 +39,24 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from xform.captured import CapturedGraph, GraphParameter
+from xform.dynamo_frame import calling_module_path
 from xform.fx_rewrite import example_value
-from xform.registry import TransformNotAvailable, register_transform
+from xform.registry import register_transform
 from xform.report import TransformRecord
+from xform.sharding import ShardedParameter, ShardSpec, cut, gather_cut, install_state_dict_hooks
+from xform.tp_plan import plan_tensor_parallel
+from xform.tp_rewrite import apply_plan, linear_refusal, reduce_gradient
 from xform.transform import Transform, option_error
 
 STRATEGIES = ("ddp", "fsdp", "tp", "fsdp+tp")
 BUCKET_BYTES = 25 * 2**20
+SINGLE_PROCESS = "single process (WORLD_SIZE 1, no process group): nothing to distribute"
 
-
-def _world(group: Any) -> tuple[int, int]:
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-# -- collectives with the gradients data parallelism needs --------------------------------------------
-
-class _GatherShards(torch.autograd.Function):
-    """All-gather dim-0 shards into the full tensor; backward: reduce-scatter the mean gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, rows: int, group_name: str) -> torch.Tensor:
-        import torch.distributed._functional_collectives as funcol
-
-        ctx.group_name, ctx.padded = group_name, None
-        full = funcol.all_gather_tensor(shard.contiguous(), 0, group_name)
-        if full.shape[0] != rows:
-            ctx.padded = full.shape[0]
-            full = full[:rows]
-        return full
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        import torch.distributed._functional_collectives as funcol
-
-        if ctx.padded is not None:
-            grad = torch.cat([grad, grad.new_zeros(ctx.padded - grad.shape[0], *grad.shape[1:])])
-        return funcol.reduce_scatter_tensor(grad.contiguous(), "avg", 0, ctx.group_name), None, None
-
-
-class _AverageGradient(torch.autograd.Function):
-    """Identity; backward: all-reduce (average) the gradient across ranks."""
-
-    @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, group_name: str) -> torch.Tensor:
-        ctx.group_name = group_name
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed._functional_collectives as funcol
-
-        return funcol.all_reduce(grad.contiguous(), "avg", ctx.group_name), None
-
-
-def gather_full(shard: torch.Tensor, rows: int, group_name: str) -> torch.Tensor:
-    with torch._C.DisableTorchFunctionSubclass():
-        return _GatherShards.apply(shard, rows, group_name)
-
-
-def average_gradient(param: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _AverageGradient.apply(param, group_name)
-
-
-# -- the sharded parameter ----------------------------------------------------------------------------
-
-_LOCAL_METHODS = {
-    "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "data_ptr", "element_size",
-    "untyped_storage", "storage", "type", "get_device", "to", "cpu", "cuda", "float", "half", "bfloat16", "double",
-    "detach", "clone", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "contiguous",
-    "requires_grad_", "retain_grad", "register_hook", "backward", "tolist", "item", "numpy",
-}
-_ARITHMETIC_DUNDERS = {
-    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-    "__matmul__", "__rmatmul__", "__neg__", "__pow__", "__rpow__", "__getitem__", "__mod__", "__floordiv__",
-}
-_KEEPS_TYPE = {"detach", "clone", "to", "cpu", "cuda", "float", "half", "bfloat16", "double", "contiguous"}
-
-
-def _is_local(func: Any) -> bool:
-    """Whether `func` acts on the shard itself (metadata, in-place updates, copies) rather than
-    computing with the parameter's value (which needs the full tensor)."""
-    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return True  # aten ops: what compiled graphs run, on the tensors exactly as given
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__", "__delete__"):  # attributes: shape, grad, data, requires_grad, ...
-        return True
-    if name.startswith("__") and name.endswith("__"):
-        return name not in _ARITHMETIC_DUNDERS
-    return (name.startswith("_") or name.endswith("_") or name.endswith("_like") or name.startswith("is_")
-            or name in _LOCAL_METHODS)
-
-
-class ShardedParameter(torch.Tensor):
-    """This rank's dim-0 shard of a parameter; computations with it see the full tensor.
-
-    Attributes `full_rows` (the unsharded dim 0) and `group_name` say how to gather it.
-    """
-
-    full_rows: int
-    group_name: str
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if _is_local(func):
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **kwargs)
-            if getattr(func, "__name__", "") in _KEEPS_TYPE and isinstance(out, torch.Tensor):
-                return _mark(torch.Tensor._make_subclass(cls, out, out.requires_grad), args[0])
-            return out
-        full = torch.utils._pytree.tree_map(
-            lambda a: gather_full(a, a.full_rows, a.group_name) if isinstance(a, ShardedParameter) else a,
-            (args, kwargs))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*full[0], **full[1])
-
-
-def _mark(shard: ShardedParameter, like: ShardedParameter) -> ShardedParameter:
-    shard.full_rows, shard.group_name = like.full_rows, like.group_name
-    return shard
-
-
-def shard_parameter(param: torch.Tensor, world: int, rank: int, group_name: str) -> nn.Parameter:
-    rows = param.shape[0]
-    per_rank = -(-rows // world)
-    padded = param.detach()
-    if per_rank * world != rows:
-        padded = torch.cat([padded, padded.new_zeros(per_rank * world - rows, *padded.shape[1:])])
-    local = padded[rank * per_rank:(rank + 1) * per_rank].clone()
-    shard = torch.Tensor._make_subclass(ShardedParameter, local, param.requires_grad)
-    shard.full_rows, shard.group_name = rows, group_name
-    return nn.Parameter(shard, requires_grad=param.requires_grad)
-
-
-# -- state dict: full tensors out, full tensors in ------------------------------------------------------
-
-def _full_state_dict_hook(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
-    for name, param in module.named_parameters(recurse=False):
-        if isinstance(param, ShardedParameter):
-            group = _group_by_name(param.group_name)
-            with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-                shard = param.detach().contiguous()
-                full = shard.new_empty(shard.shape[0] * dist.get_world_size(group), *shard.shape[1:])
-                dist.all_gather_into_tensor(full, shard, group=group)
-            state[prefix + name] = full[:param.full_rows]
-
-
-def _shard_on_load_hook(module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-    for name, param in module.named_parameters(recurse=False):
-        key = prefix + name
-        if isinstance(param, ShardedParameter) and key in state and state[key].shape[0] == param.full_rows:
-            world, rank = _world(_group_by_name(param.group_name))
-            state[key] = shard_parameter(state[key], world, rank, param.group_name).detach()
-
-
-def _group_by_name(name: str) -> Any:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-# -- the transform ------------------------------------------------------------------------------------
 
 @register_transform
 class Distribute(Transform):
-    """Data-parallel / FSDP-style sharding through torch.distributed (`distribute:<strategy>`)."""
+    """Data-parallel, FSDP-style and tensor-parallel distribution through torch.distributed
+    (`distribute:<strategy>`)."""
 
     name = "distribute"
     must_follow = {
@@ -205,16 +64,19 @@ class Distribute(Transform):
         "cast": "it shards the weights cast made",
     }
 
-    def __init__(self, strategy: str = "fsdp", *, mesh: Any = None) -> None:
+    def __init__(self, strategy: str = "fsdp", *, mesh: Any = None, tp_size: int | None = None) -> None:
         if strategy not in STRATEGIES:
             raise option_error(self.name, "strategy", strategy, ", ".join(STRATEGIES))
-        if strategy in ("tp", "fsdp+tp"):
-            raise TransformNotAvailable(
-                f"xform: transform 'distribute': strategy {strategy!r} (tensor parallelism) is not available yet "
-                f"(issue #3); 'ddp' and 'fsdp' are")
+        if tp_size is not None and (strategy != "fsdp+tp" or not isinstance(tp_size, int) or tp_size < 2):
+            raise option_error(self.name, "tp_size", tp_size, "an int >= 2, with strategy 'fsdp+tp' only")
         self.strategy = strategy
         self.mesh = mesh
-        self.group = _group_of(mesh, self.name)
+        self.tp_size = tp_size
+        self._groups_given = _groups_of(mesh, strategy, self.name)
+        if "tp" in strategy:
+            # an instance attribute: only tensor parallelism cares, since it changes the head count
+            self.must_precede = {"flex-attention": "tensor parallelism cuts attention by heads, and the block "
+                                                   "masks flex-attention builds must be for the local heads"}
 
     @classmethod
     def from_spec(cls, argument: str | None) -> Distribute:
@@ -223,53 +85,42 @@ class Distribute(Transform):
     def inductor_config(self) -> dict[str, Any]:
         # let Inductor issue each all-gather early (the next layer's while this one computes) and
         # sink the waits: the overlap FSDP gets from prefetching
-        return {"reorder_for_compute_comm_overlap": True} if self.strategy == "fsdp" else {}
+        return {"reorder_for_compute_comm_overlap": True} if "fsdp" in self.strategy else {}
 
-    def _process_group(self, device: torch.device) -> Any | None:
-        """The group to distribute over, initializing the default one under torchrun; None alone."""
-        if self.group is not None:
-            return self.group
+    def _groups(self, device: torch.device) -> tuple[Any, Any] | None:
+        """(data-parallel group, tensor-parallel group), either None where the strategy has none;
+        the default process group is initialized under torchrun. None when running alone."""
+        if self._groups_given is not None:
+            return self._groups_given
         if not dist.is_initialized():
             if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
                 return None
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return dist.group.WORLD if dist.get_world_size() > 1 else None
-
-    def transform_parameters(self, graph: CapturedGraph, record: TransformRecord) -> None:
-        params = [p for p in graph.parameters if p.tensor.is_floating_point()]
-        device = params[0].tensor.device if params else torch.device("cpu")
-        group = self._process_group(device)
-        if group is None:
-            record.note("single process (WORLD_SIZE 1, no process group): nothing to distribute")
-            return
-        world, rank = _world(group)
-        if self.strategy == "ddp":
-            record.note(f"{len(params)} parameters replicated over {world} ranks; gradients averaged")
-            return
-        for param in params:
-            reason = _shard_refusal(param)
-            if reason is not None:
-                record.skipped(param.fqn, reason)
-                continue
-            if isinstance(param.tensor, ShardedParameter):
-                continue
-            before = param.tensor.nbytes
-            new = shard_parameter(param.tensor, world, rank, group.group_name)
-            graph.replace_parameter(param, new, by=self.name, placement=f"Shard(0) of {world}")
-            _install_state_dict_hooks(graph, param.owner)
-            record.changed("parameter", param.fqn, f"{tuple(param.node.meta['example_value'].shape)} shard of "
-                                                   f"{param.tensor.full_rows} rows, {before} -> {new.nbytes} bytes")
+        if dist.get_world_size() == 1:
+            return None
+        world = dist.group.WORLD
+        if self.strategy == "fsdp+tp":
+            self._groups_given = _default_mesh_groups(device, self.tp_size, self.name)
+            return self._groups_given
+        return (None, world) if self.strategy == "tp" else (world, None)
 
     def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
-        group = self.group if self.group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-        if group is None or dist.get_world_size(group) == 1:
+        params = [p for p in graph.parameters if p.tensor.is_floating_point()]
+        groups = self._groups(params[0].tensor.device if params else torch.device("cpu"))
+        if groups is None:
+            record.note(SINGLE_PROCESS)
             return
-        sharded_here = {c.source for c in graph.guards.changes if c.changed_by == self.name}
-        for param in graph.parameters:
-            if self.strategy == "fsdp" and param.source in sharded_here:  # a retrace already gathers them
-                _route_through(graph, param, gather_full, (param.tensor.full_rows, param.tensor.group_name))
-            elif self.strategy == "ddp" and param.tensor.requires_grad:
-                _route_through(graph, param, average_gradient, (group.group_name,))
+        data, tensor = groups
+        if tensor is not None:
+            _tensor_parallel(graph, tensor, record, by=self.name)
+        if self.strategy == "ddp":
+            record.note(f"{len(params)} parameters replicated over {dist.get_world_size(data)} ranks; "
+                        f"gradients averaged")
+            for param in params:
+                if param.tensor.requires_grad:
+                    _route_through(graph, param, reduce_gradient, ("avg", data.group_name))
+        elif data is not None:
+            _fully_shard(graph, data, record, by=self.name)
 
     def transform_aot_graph(self, gm: fx.GraphModule, kind: str, record: TransformRecord) -> None:
         if kind == "backward" and self.strategy == "ddp":
@@ -278,15 +129,75 @@ class Distribute(Transform):
                 record.changed("nodes", f"{buckets} gradient buckets", "all-reduces merged, ~25 MB each")
 
 
-def _group_of(mesh: Any, transform: str) -> Any:
-    """The process group a `mesh` option names (None: the default world group, resolved later)."""
+def _tensor_parallel(graph: CapturedGraph, group: Any, record: TransformRecord, *, by: str) -> None:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = plan_tensor_parallel(graph.gm.graph, world, lambda n: linear_refusal(graph, n),
+                                lambda n: linear_refusal(graph, n))
+    for fqn, detail in apply_plan(graph, plan, group.group_name, rank, by=by):
+        record.changed("parameter", fqn, detail)
+    for linear, reason in plan.refused.items():
+        record.skipped(calling_module_path(linear) or linear.name, f"stays replicated: {reason}")
+    if not plan.columns:
+        record.note(f"tensor parallelism over {world} ranks found no column/row-parallel Linear pair to cut")
+
+
+def _fully_shard(graph: CapturedGraph, group: Any, record: TransformRecord, *, by: str) -> None:
+    """FSDP: every floating parameter cut by rows over `group`, gathered where the graph reads it."""
+    world = dist.get_world_size(group)
+    cut_here = {c.source for c in graph.guards.changes if c.changed_by == by}  # by tensor parallelism, just now
+    for param in graph.parameters:
+        if not param.tensor.is_floating_point():
+            continue
+        reason = _shard_refusal(param)
+        if reason is not None:
+            record.skipped(param.fqn, reason)
+            continue
+        if isinstance(param.tensor, ShardedParameter) and param.source not in cut_here:
+            continue  # a retrace of a model sharded before: its graph already gathers it
+        before_bytes, reader_value = param.tensor.nbytes, param.node.meta["example_value"]
+        spec = ShardSpec(0, param.tensor.shape[0], group.group_name, 1, "avg")
+        new = cut(param.tensor, spec)
+        graph.replace_parameter(param, new, by=by, placement=f"Shard(0) of {world}")
+        undo = install_state_dict_hooks(param.owner)
+        if undo is not None:
+            graph.on_undo(undo)
+        _route_through(graph, param, gather_cut, dataclasses.astuple(spec), value=reader_value)
+        record.changed("parameter", param.fqn, f"{tuple(new.shape)} shard of {spec.size} rows, "
+                                               f"{before_bytes} -> {new.nbytes} bytes")
+
+
+def _groups_of(mesh: Any, strategy: str, transform: str) -> tuple[Any, Any] | None:
+    """The (data-parallel, tensor-parallel) groups a `mesh` option names; None: the defaults, resolved later."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if mesh is None or isinstance(mesh, dist.ProcessGroup):
-        return mesh
+    if mesh is None:
+        return None
+    if strategy == "fsdp+tp":
+        if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
+            return mesh.get_group(0), mesh.get_group(1)
+        raise option_error(transform, "mesh", mesh, "None (a (world / tp_size, tp_size) mesh is built) or a 2-D "
+                                                    "DeviceMesh (data-parallel dim, tensor-parallel dim)")
     if isinstance(mesh, DeviceMesh) and mesh.ndim == 1:
-        return mesh.get_group()
-    raise option_error(transform, "mesh", mesh, "None (the world group), a 1-D DeviceMesh or a ProcessGroup")
+        mesh = mesh.get_group()
+    if not isinstance(mesh, dist.ProcessGroup):
+        raise option_error(transform, "mesh", mesh, "None (the world group), a 1-D DeviceMesh or a ProcessGroup")
+    return (None, mesh) if strategy == "tp" else (mesh, None)
+
+
+def _default_mesh_groups(device: torch.device, tp_size: int | None, transform: str) -> tuple[Any, Any]:
+    """The (data-parallel, tensor-parallel) groups of the default `fsdp+tp` mesh: tensor parallelism
+    within a node (LOCAL_WORLD_SIZE ranks, when there are several nodes; else tp_size or 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    tp = tp_size or (local if local < world else 2)
+    if world % tp or world == tp:
+        raise ValueError(f"xform: transform '{transform}': strategy 'fsdp+tp' needs the {world} ranks to be several "
+                         f"groups of tp_size={tp} ranks; pass tp_size= dividing {world} (smaller than it), or use "
+                         f"strategy 'tp' or 'fsdp'")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh.get_group(0), mesh.get_group(1)
 
 
 def _shard_refusal(param: GraphParameter) -> str | None:
@@ -300,23 +211,10 @@ def _shard_refusal(param: GraphParameter) -> str | None:
     return None
 
 
-def _install_state_dict_hooks(graph: CapturedGraph, module: nn.Module) -> None:
-    if getattr(module, "_xform_sharded", False):
-        return
-    handles = [module._register_state_dict_hook(_full_state_dict_hook),
-               module._register_load_state_dict_pre_hook(_shard_on_load_hook, with_module=True)]
-    object.__setattr__(module, "_xform_sharded", True)
-
-    def undo() -> None:
-        for handle in handles:
-            handle.remove()
-        object.__setattr__(module, "_xform_sharded", False)
-
-    graph.on_undo(undo)
-
-
-def _route_through(graph: CapturedGraph, param: GraphParameter, fn: Any, extra: tuple[Any, ...]) -> None:
-    """Make every reader of the parameter's placeholder read `fn(placeholder, *extra)` instead."""
+def _route_through(graph: CapturedGraph, param: GraphParameter, fn: Any, extra: tuple[Any, ...], *,
+                   value: Any = None) -> None:
+    """Make every reader of the parameter's placeholder read `fn(placeholder, *extra)` instead;
+    `value`: what that gives the readers (default: what they were traced with)."""
     g = graph.gm.graph
     node = param.node
     users = list(node.users)
@@ -324,7 +222,7 @@ def _route_through(graph: CapturedGraph, param: GraphParameter, fn: Any, extra: 
         return
     with g.inserting_after(node):
         routed = g.call_function(fn, (node, *extra))
-    routed.meta["example_value"] = param.traced_value  # what the readers were traced with: the full tensor
+    routed.meta["example_value"] = value if value is not None else param.traced_value
     for user in users:
         user.replace_input_with(node, routed)
 

@@ -244,14 +244,19 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
 
 class ModuleForward:
     """Graph call target: run a swapped-in torchao module's forward on the weight (and bias) the
-    graph passes, so the graph keeps taking the parameters as inputs."""
+    graph passes, so the graph keeps taking the parameters as inputs. It computes a linear layer
+    with the operands of `F.linear` (`computes_linear`), so graph passes that cut linear layers
+    (tensor parallelism) can cut it too; a None bias means none, even where the module has one (a
+    row-parallel layer adds its bias after summing over ranks)."""
+
+    computes_linear = True
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.__name__ = f"{type(module).__name__}_forward"
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        tensors = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+        tensors = {"weight": weight} if self.module.bias is None else {"weight": weight, "bias": bias}
         return torch.func.functional_call(self.module, tensors, (x,))
 
 
