@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -121,6 +122,7 @@ def main() -> None:
                         row[name] = round(timed(variants[name], q, k, v, ids, mode), 3)
                     except Exception as error:  # a configuration that fails is a finding, not a crash
                         row[name] = f"error: {type(error).__name__}: {str(error)[:160]}"
+                        traceback.print_exc()
                 if isinstance(row.get("xform"), float) and isinstance(row.get("flex flash"), float):
                     row["xform / flash"] = round(row["xform"] / row["flex flash"], 3)
                 if isinstance(row.get("xform"), float) and isinstance(row.get("as written"), float):

@@ -38,6 +38,12 @@ def sdpa_alibi_bias(q, k, v, extra):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(ki > qi, float("-inf")))
 
 
+def sdpa_alibi_bias_cast(q, k, v, extra):
+    qi, ki = _positions()
+    bias = (extra["slopes"][:, None, None] * (ki - qi)).masked_fill(ki > qi, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))  # the -inf fill under a cast
+
+
 def sdpa_dense_mask(q, k, v, extra):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=extra["dense"])
 
@@ -79,6 +85,7 @@ PATTERNS = {
     sdpa_causal: "SDPA -> flex_attention (causal",
     sdpa_sliding_window: "SDPA -> flex_attention (sliding window 16",
     sdpa_alibi_bias: "SDPA -> flex_attention (causal + ALiBi-style per-head bias",
+    sdpa_alibi_bias_cast: "SDPA -> flex_attention (causal + ALiBi-style per-head bias",
     sdpa_dense_mask: "SDPA -> flex_attention (mask read from a tensor",
     sdpa_scale_gqa: "SDPA -> flex_attention (causal",
     hand_causal_tril: "hand-written -> flex_attention (causal",

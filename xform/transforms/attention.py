@@ -134,7 +134,7 @@ def _add_mask_or_bias(site: AttentionSite, node: fx.Node, weight: float) -> None
     if example_value(node).dtype == torch.bool:
         site.masks.append(Term(_program(node)))
         return
-    split = _masking_fill(node)
+    split = _masking_fill(_through_casts_up(node))  # `bias.masked_fill(cond, -inf).to(q.dtype)` as people write it
     if split is not None:
         kept, cond, attend_when = split
         site.masks.append(Term(_program(cond), negate=not attend_when))
