@@ -60,6 +60,15 @@ SCRIPT = textwrap.dedent('''\
         return OnCuda(), (torch.randn(4, 16),)
 
 
+    class NewTensor(nn.Module):
+        def forward(self, x):
+            return torch.cat([torch.tensor([1.0], device=x.device), x.flatten()])
+
+
+    def make_new_tensor_model():
+        return NewTensor(), (torch.randn(4, 16),)
+
+
     WIDTH = 16
 ''')
 
@@ -124,10 +133,11 @@ def test_the_defaults_follow_the_models_mode():
 # --- a bad target, said with what to change ----------------------------------------------------
 
 
-def explain_error(capsys, *argv: str) -> str:
+def explain_error(capsys, *argv: str, header: bool = False) -> str:
+    """The message of a failing explain; before it, only the header (model, transforms) if `header`."""
     assert main(["explain", *argv]) == 2
     captured = capsys.readouterr()
-    assert captured.out == ""
+    assert captured.out.startswith("xform explain ") if header else captured.out == ""
     return captured.err.strip()
 
 
@@ -152,8 +162,9 @@ def test_a_target_without_a_function(capsys):
 
 def test_a_missing_attribute_lists_what_the_script_defines(capsys, script):
     err = explain_error(capsys, f"{script}:make_modle")
-    assert err == (f"xform explain: {script} has no attribute 'make_modle'; it defines: Net, OnCuda, args_not_a_tuple, "
-                   f"make_cuda_model, make_eval_model, make_model, only_a_model")
+    assert err == (f"xform explain: {script} has no attribute 'make_modle'; it defines: Net, NewTensor, OnCuda, "
+                   f"args_not_a_tuple, make_cuda_model, make_eval_model, make_model, make_new_tensor_model, "
+                   f"only_a_model")
 
 
 def test_an_attribute_that_is_no_function(capsys, script):
@@ -182,7 +193,18 @@ def test_an_unknown_transform(capsys, script):
 
 @pytest.mark.skipif(torch.backends.cuda.is_built(), reason="the message is for a PyTorch built without CUDA")
 def test_a_model_asking_for_cuda_by_name(capsys, script):
-    err = explain_error(capsys, f"{script}:make_cuda_model", "--transforms", "cudagraphs")
+    err = explain_error(capsys, f"{script}:make_cuda_model", "--transforms", "cudagraphs", header=True)
     assert err == ("xform explain: the model puts a tensor on CUDA by name (.cuda(), .to('cuda'), device='cuda'), "
                    "which this PyTorch, built without CUDA, cannot do even for a trace: make the model follow its "
                    "inputs (device=x.device in the forward, model.to(device) outside it)")
+
+
+def test_a_trace_the_stand_in_device_cannot_run_keeps_the_sections_before_it(capsys, script):
+    assert main(["explain", f"{script}:make_new_tensor_model", "--transforms", "cast:bf16,cudagraphs"]) == 2
+    captured = capsys.readouterr()
+    assert "== cast:bf16: one call on the CPU" in captured.out and "xform report: 1 graph(s)" in captured.out
+    assert captured.err.startswith("xform explain: the CUDA-graph trace failed on CUDA's stand-in (PyTorch's meta "
+                                   "device): TorchRuntimeError: ")
+    assert captured.err.strip().endswith("Dynamo keeps torch.tensor(data, device=x.device) as a plain meta tensor, as "
+                                         "in transformers' KV cache (pass use_cache=False). The sections above are "
+                                         "complete")

@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     from xform.explain import explain  # imports torch: after the arguments are known good
 
     try:
-        print(explain(args.target, args.transforms))
+        for section in explain(args.target, args.transforms):
+            print(section, flush=True)
     except (ValueError, TransformNotAvailable) as error:  # a bad target or spec: the message says what to change
         print(f"xform explain: {error}", file=sys.stderr)
         return 2

@@ -18,6 +18,10 @@ Explain traces the model twice, because a machine without a GPU cannot give both
    Every op a CUDA graph cannot record is listed with the user's line, the reason and the fix,
    with the regions around them; each Dynamo graph break ends a graph, and the graph after it
    names the line. Values read into Python (`x.item()`) are 0 here, since fake tensors hold none.
+   The stand-in has limits a GPU has not: a tensor created by name on CUDA (`.cuda()`) cannot be
+   made, and Dynamo keeps `torch.tensor(data, device=x.device)` as a real meta tensor that
+   Dynamo's fake tensors refuse (transformers' KV cache does this: pass `use_cache=False`); either
+   is said plainly, after the sections already printed.
 """
 
 from __future__ import annotations
@@ -233,7 +237,14 @@ def trace_cuda_graphs(example: Example, spec: str) -> Report:
     fake = to_stand_in(example, mode)
     compiled = torch.compile(fake.model, backend=Backend([transform], handoff="eager"))
     with _planning_on_the_stand_in(), mode, torch.set_grad_enabled(fake.model.training):
-        _call(compiled, fake)
+        try:
+            _call(compiled, fake)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            raise ExplainError(
+                f"the CUDA-graph trace failed on CUDA's stand-in (PyTorch's meta device): {type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0]} ... A few things that work on a GPU fail there: Dynamo keeps "
+                f"torch.tensor(data, device=x.device) as a plain meta tensor, as in transformers' KV cache "
+                f"(pass use_cache=False). The sections above are complete") from error
     report = xform.report(fake.model)
     for t in (t for g in report.graphs for t in g.transforms):
         t.skips = [Skip(s.target, _as_cuda(s.reason)) for s in t.skips]
@@ -262,28 +273,28 @@ def _describe_value(value: Any) -> str:
     return type(value).__name__
 
 
-def explain(target: str, transforms: str | None = None) -> str:
-    """The explanation of TARGET under the transforms (a comma-separated spec list; None: the defaults)."""
+def explain(target: str, transforms: str | None = None) -> Iterator[str]:
+    """The explanation of TARGET under the transforms (a comma-separated spec list; None: the
+    defaults), section by section, so that what is known is shown before a later trace fails."""
     factory = load_target(target)
     example = build(factory, target)
     specs = parse_specs(transforms) if transforms is not None else default_transforms(example.model)
     graphed = [s for s in specs if s.partition(":")[0] == "cudagraphs"]
     others = [s for s in specs if s not in graphed]
-    lines = [f"xform explain {target}", f"model: {describe_example(example)}",
-             f"transforms: {', '.join(specs)}" + ("" if transforms is not None else
-                                                   " (the defaults for this mode; --transforms to choose)")]
+    yield "\n".join([f"xform explain {target}", f"model: {describe_example(example)}",
+                     f"transforms: {', '.join(specs)}" + ("" if transforms is not None else
+                                                          " (the defaults for this mode; --transforms to choose)")])
     if others:
-        lines += ["", f"== {', '.join(others)}: one call on the CPU with the real weights, handoff eager "
-                      f"(nothing compiled; choices that depend on the GPU are the CPU's here) ==", "",
-                  str(trace_transforms(example, others))]
+        yield "\n".join(["", f"== {', '.join(others)}: one call on the CPU with the real weights, handoff eager "
+                             f"(nothing compiled; choices that depend on the GPU are the CPU's here) ==", "",
+                         str(trace_transforms(example, others))])
     if graphed:
         if others:
             example = build(factory, target)
         report = trace_cuda_graphs(example, graphed[0])
-        lines += ["", f"== {graphed[0]}: one call traced on fake tensors of a stand-in device for CUDA (no GPU "
-                      f"used, nothing computed) ==", "", report.describe("cudagraphs"), "",
-                  _break_summary(report)]
-    return "\n".join(lines)
+        yield "\n".join(["", f"== {graphed[0]}: one call traced on fake tensors of a stand-in device for CUDA (no "
+                             f"GPU used, nothing computed) ==", "", report.describe("cudagraphs"), "",
+                         _break_summary(report)])
 
 
 def _break_summary(report: Report) -> str:
