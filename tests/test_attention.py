@@ -81,6 +81,16 @@ def hand_alibi(q, k, v, extra):
     return torch.softmax(scores.masked_fill(ki > qi, -1e9), dim=-1) @ v
 
 
+def hand_hf_eager(q, k, v, extra):
+    """As transformers' eager attention: a bool mask begun with x.new_ones(()), added as a 0/min bias
+    (its 0 a 0-dim tensor made in the graph), the probabilities cast with .type() before @ v."""
+    qi, ki = _positions()
+    allowed = q.new_ones((), dtype=torch.bool) & (ki <= qi)
+    bias = torch.where(allowed, torch.tensor(0.0), torch.finfo(q.dtype).min)
+    scores = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + bias
+    return F.softmax(scores, dim=-1).type(torch.float32) @ v
+
+
 PATTERNS = {
     sdpa_causal: "SDPA -> flex_attention (causal",
     sdpa_sliding_window: "SDPA -> flex_attention (sliding window 16",
@@ -92,6 +102,7 @@ PATTERNS = {
     hand_prefix_lm_where: "hand-written -> flex_attention (prefix-LM 8",
     hand_document: "hand-written -> flex_attention (document (per-token ids)",
     hand_alibi: "hand-written -> flex_attention (causal + ALiBi-style per-head bias",
+    hand_hf_eager: "hand-written -> flex_attention (causal + additive bias",
 }
 
 
@@ -224,6 +235,19 @@ def test_cpu_training_under_inductor_is_left_with_the_reason():
     (skip,) = xform.report(sdpa_causal).skips("flex-attention")
     assert "flex_attention has no CPU backward" in skip.reason and "handoff='eager'" in skip.reason
     out.sum().backward()
+
+
+@pytest.mark.slow
+def test_cpu_inductor_leaves_a_mask_computed_in_the_graph_with_the_reason():
+    q, k, v, extra = inputs(requires_grad=False)
+    with torch.no_grad():
+        out = xform.compile(hand_hf_eager, "flex-attention")(q, k, v, extra)
+        torch.testing.assert_close(out, hand_hf_eager(q, k, v, extra))
+    (skip,) = xform.report(hand_hf_eager).skips("flex-attention")
+    assert skip.reason.startswith("its mask or bias reads 'tensor', a tensor computed in the graph, which Inductor's "
+                                  "CPU flex kernel cannot take (torch ")
+    assert skip.reason.endswith("left as written. With handoff='eager' it is rewritten; the CUDA lowering realizes "
+                                "them first")
 
 
 def test_backend_option():

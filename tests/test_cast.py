@@ -83,6 +83,25 @@ def test_weight_read_by_another_op_is_skipped_with_the_reason():
     assert model.fc.weight.dtype == torch.float32
 
 
+def test_a_layer_multiplying_by_its_own_weight_is_skipped_with_the_reason():
+    class Conv1D(nn.Module):  # GPT-2's: a Linear with a transposed weight, computed with addmm
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 8))
+            self.bias = nn.Parameter(torch.zeros(8))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight)
+
+    model = nn.Sequential(Conv1D(), nn.Linear(8, 8))
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    assert [(s.target, s.reason) for s in xform.report(model).skips("cast")] == [
+        ("0", "it is a Conv1D, not an nn.Linear: it computes torch.addmm with its weight, and only nn.Linear layers "
+              "(F.linear calls) are changed; left as written. Replace it by an nn.Linear (its weight transposed) "
+              "to change it")]
+    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16
+
+
 def test_training_steps_the_cast_parameters():
     model = mlp()
     compiled = xform.compile(model, "cast:bf16", handoff="eager")

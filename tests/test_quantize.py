@@ -4,6 +4,7 @@ what the model holds afterwards, numerics (SQNR against the unquantized model), 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 
 import pytest
@@ -167,6 +168,18 @@ def test_training_recipe_steps_an_optimizer():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_a_training_recipe_first_compiled_under_no_grad(monkeypatch):
+    """Evaluating a model before training it: the recipe's probe (a backward) still runs."""
+    import xform.transforms.quantize as quantize
+
+    monkeypatch.setattr(quantize, "_cached_plan", functools.lru_cache(maxsize=None)(quantize._cached_plan.__wrapped__))
+    model = ffn()
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = xform.compile(model, "quantize:float8-rowwise", handoff="eager")(x)
+    assert out.shape == x.shape and len(xform.report(model).changes("quantize")) == 3  # 2 layers, 1 node rewrite
 
 
 def test_module_swap_keeps_the_parameter_objects():

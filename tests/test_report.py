@@ -42,6 +42,21 @@ def test_report_str_is_a_table():
     assert "guards rewritten: 4\n    L['fn'].0.weight: float32[32, 16] Parameter -> bfloat16[32, 16]" in text
 
 
+
+def test_describe_lists_one_transforms_entries_with_reasons_wrapped_below():
+    model = TiedLM()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randint(0, 50, (2, 5)))
+
+    text = xform.report(model).describe("cast", width=40)
+
+    lines = text.splitlines()
+    assert lines[0] == "graph 0/0 (TiedLM.forward)"
+    assert lines[1] == "  changed: body: float32 -> bfloat16, 544 B saved"
+    skipped = lines.index("  not changed: head")
+    assert lines[skipped + 1].startswith("      ") and all(len(line) <= 40 for line in lines[skipped + 1:])
+    assert xform.Report([]).describe("cast") == "no graph compiled yet (call the compiled model once)"
+
+
 def test_report_to_dict_is_json():
     model = TiedLM()
     xform.compile(model, "cast:bf16", handoff="eager")(torch.randint(0, 50, (2, 5)))
@@ -74,7 +89,7 @@ def test_graph_breaks_give_one_record_per_graph():
 
     assert len(graphs) == 2
     assert [c.target for g in graphs for c in g.transforms[0].changes if c.kind == "layer"] == ["first", "second"]
-    assert graphs[1].code == "GraphBreakMLP.forward (resumed after a graph break)"
+    assert graphs[1].code == "GraphBreakMLP.forward (resumed after the graph break at models.py:73)"
 
 
 def test_report_of_a_compiled_function():

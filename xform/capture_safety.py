@@ -64,6 +64,7 @@ def user_source(node: fx.Node) -> str | None:
     if not frames:
         return None
     path, line, function, code = frames[-1]
+    function = re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", function)  # the code after a graph break
     return f"{path.rsplit('/', 1)[-1]}:{line} in {function}: {code.strip()}"
 
 

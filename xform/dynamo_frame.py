@@ -10,6 +10,7 @@ the transformed model instead of the traced one.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import types
 from dataclasses import dataclass
@@ -50,10 +51,13 @@ class DynamoFrame:
 
     @property
     def code_name(self) -> str:
-        """What was traced, as a user reads it: `forward`, or `forward (resumed after a graph break)`."""
+        """What was traced, as a user reads it: `forward`, or `forward (resumed after the graph break
+        at model.py:42)` (a resume function starts at the line that broke the graph)."""
         code = self.output_graph.root_tx.f_code
         name = getattr(self.code, "co_qualname", self.code.co_name)  # co_qualname: Python 3.11+
-        return name if code is self.code else f"{name} (resumed after a graph break)"
+        if code is self.code:
+            return name
+        return f"{name} (resumed after the graph break at {os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
     def evaluate(self, source: Any) -> Any:
         """The live value a guard source names (`L['fn']._modules['0']`), read like a guard reads it."""

@@ -114,7 +114,8 @@ class IndexProgram:
         for step in self.steps:
             if step.kind == "buffer":
                 picks = tuple(index[label] if label else 0 for label in step.labels)
-                value = buffers[step.payload][picks]
+                # a 0-dim tensor is read whole: flex's index mode refuses an empty index
+                value = buffers[step.payload][picks] if picks else buffers[step.payload]
             elif step.kind == "index":
                 start, stride = step.payload
                 value = index[step.labels[0]] * stride + start
@@ -254,14 +255,19 @@ def _arange_range(node: fx.Node) -> tuple[Any, Any, Any]:
     return start, end, step
 
 
+_NEW_FILLED = ("new_ones", "new_zeros", "new_full")  # x.new_ones(()) starts HF's masks
+
+
 def _is_filled(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (torch.ones, torch.zeros, torch.full)
+    return ((node.op == "call_function" and node.target in (torch.ones, torch.zeros, torch.full))
+            or (node.op == "call_method" and node.target in _NEW_FILLED))
 
 
 def _fill_value(node: fx.Node) -> Any:
-    if node.target is torch.full:
-        return node.args[1] if len(node.args) > 1 else node.kwargs["fill_value"]
-    return 1 if node.target is torch.ones else 0
+    if node.target in (torch.full, "new_full"):
+        value_at = 1 if node.target is torch.full else 2  # full(size, value); x.new_full(size, value)
+        return node.args[value_at] if len(node.args) > value_at else node.kwargs["fill_value"]
+    return 1 if node.target in (torch.ones, "new_ones") else 0
 
 
 def _is_elementwise(node: fx.Node) -> bool:

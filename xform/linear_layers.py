@@ -4,6 +4,7 @@ belongs to another module, and their sizes. Shared by the transforms that change
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -52,6 +53,38 @@ def borrowed_weights(graph: CapturedGraph, selects: Callable[[str, nn.Module | N
         if selects(path, layer):
             yield path, (f"its weight is {param.fqn}, shared with {param.module_path} ({type(param.owner).__name__}, "
                          f"tied weights); changing it would change that module too. Untie the weights to change it")
+
+
+_MATMULS = (torch.addmm, torch.mm, torch.matmul, operator.matmul)
+
+
+def unchanged_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module | None], bool]) -> Iterator[tuple[str, str]]:
+    """(layer path, reason) for each selected layer that looks like a Linear but is left as written:
+    tied weights (`borrowed_weights`), and modules that multiply by their weight themselves."""
+    yield from borrowed_weights(graph, selects)
+    yield from matmul_layers(graph, selects)
+
+
+def matmul_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module | None], bool]) -> Iterator[tuple[str, str]]:
+    """(layer path, reason) for each selected module, not an nn.Linear, whose 2-D weight a matmul
+    (addmm, mm, @) reads instead of F.linear: GPT-2's Conv1D, a Linear with a transposed weight."""
+    seen: set[str] = set()
+    for param in graph.parameters:
+        if (isinstance(param.owner, nn.Linear) or param.name != "weight" or param.tensor.dim() != 2
+                or param.module_path in seen or not selects(param.module_path, param.owner)):
+            continue
+        reader = next((u for u in param.node.users if u.op == "call_function" and u.target in _MATMULS), None)
+        if reader is not None:
+            seen.add(param.module_path)
+            yield param.module_path, (
+                f"it is a {type(param.owner).__name__}, not an nn.Linear: it computes {_name(reader.target)} with its "
+                f"weight, and only nn.Linear layers (F.linear calls) are changed; left as written. Replace it by an "
+                f"nn.Linear (its weight transposed) to change it")
+
+
+def _name(target: Any) -> str:
+    module = getattr(target, "__module__", None) or ""
+    return f"torch.{target.__name__}" if module.startswith("torch") else f"operator.{target.__name__}"
 
 
 def is_linear(node: fx.Node) -> bool:

@@ -8,6 +8,7 @@ compiled model or function into a `Report`: `str()` is a table for people, `.to_
 
 from __future__ import annotations
 
+import textwrap
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -122,6 +123,22 @@ class Report:
     def failures(self) -> list[tuple[str, str]]:
         """(transform, what failed) for every transform a graph was compiled without."""
         return [(t.transform, t.failure) for g in self.graphs for t in g.transforms if t.failure]
+
+    def describe(self, transform: str, width: int = 100) -> str:
+        """One transform's records, graph by graph, as wrapped text: every change, skip (its reason
+        indented below it) and note. For reading what one transform did, where `str()`'s table,
+        one row per entry, is for scanning many transforms."""
+        lines: list[str] = []
+        for g in self.graphs:
+            lines.append(f"graph {g.graph} ({g.code})")
+            for t in (t for t in g.transforms if t.transform == transform):
+                lines += [f"  changed: {c.target}" + (f": {c.detail}" if c.detail else "") for c in t.changes]
+                for s in t.skips:
+                    lines.append(f"  not changed: {s.target}")
+                    lines += textwrap.wrap(s.reason, width, initial_indent="      ", subsequent_indent="      ")
+                lines += [f"  note: {n}" for n in t.notes]
+                lines += [f"  FAILED: {t.failure}"] if t.failure else []
+        return "\n".join(lines) if lines else "no graph compiled yet (call the compiled model once)"
 
     def __str__(self) -> str:
         if not self.graphs:

@@ -165,7 +165,7 @@ def _program(node: fx.Node) -> IndexProgram:
 
 _MATMUL = (operator.matmul, torch.matmul)
 _SOFTMAX = (F.softmax, torch.softmax)
-_CASTS = ("to", "float", "type_as", "half", "bfloat16")
+_CASTS = ("to", "float", "type", "type_as", "half", "bfloat16")
 
 
 def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
@@ -449,6 +449,12 @@ class FlexAttention(Transform):
             return ("it needs a gradient, and flex_attention has no CPU backward (torch: 'FlexAttention does not "
                     "support backward on CPU'); left as written. On CPU the rewrite runs for inference "
                     "(torch.no_grad), or with handoff='eager' (flex's reference math)")
+        computed = next((n for t in site.masks + site.biases for n in t.buffer_nodes if n.op != "placeholder"), None)
+        if q.device.type == "cpu" and graph.handoff == "inductor" and computed is not None:
+            return (f"its mask or bias reads '{computed.name}', a tensor computed in the graph, which Inductor's CPU "
+                    f"flex kernel cannot take (torch {torch.__version__}: its CPU lowering reads the mods' tensors "
+                    f"before realizing them, NotImplementedError: Pointwise); left as written. With handoff='eager' "
+                    f"it is rewritten; the CUDA lowering realizes them first")
         return None
 
     def _backend_for(self, site: AttentionSite) -> str:

@@ -30,13 +30,13 @@ from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import example_value, insert_call
 from xform.linear_layers import (
     LinearLayer,
-    borrowed_weights,
     dtype_name,
     format_bytes,
     is_linear,
     linear_layers,
     linear_operands,
     other_reader_refusal,
+    unchanged_layers,
 )
 from xform.registry import register_transform
 from xform.report import TransformRecord
@@ -113,7 +113,7 @@ class Cast(Transform):
     def transform_parameters(self, graph: CapturedGraph, record: TransformRecord) -> None:
         for layer in linear_layers(graph, self._selects):
             self._cast_layer(graph, layer, record)
-        for path, reason in borrowed_weights(graph, self._selects):
+        for path, reason in unchanged_layers(graph, self._selects):
             record.skipped(path, reason)
 
     def _cast_layer(self, graph: CapturedGraph, layer: LinearLayer, record: TransformRecord) -> None:

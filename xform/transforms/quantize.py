@@ -33,7 +33,6 @@ from torch import fx, nn
 from xform.captured import CapturedGraph
 from xform.linear_layers import (
     LinearLayer,
-    borrowed_weights,
     dtype_name,
     format_bytes,
     is_linear,
@@ -41,6 +40,7 @@ from xform.linear_layers import (
     linear_operands,
     other_reader_refusal,
     tensor_bytes,
+    unchanged_layers,
 )
 from xform.registry import register_transform
 from xform.report import TransformRecord
@@ -303,7 +303,7 @@ class Quantize(Transform):
                     self._swap_weight(graph, layer, plan, record)
                 else:
                     self._swap_module(graph, layer, recipe, plan, record)
-        for path, reason in borrowed_weights(graph, self._selects):
+        for path, reason in unchanged_layers(graph, self._selects):
             record.skipped(path, reason)
 
     def _already_quantized(self, layer: LinearLayer, record: TransformRecord) -> bool:
@@ -372,11 +372,12 @@ def _cached_plan(recipe: str, device: Device, handoff: str) -> Plan:
     dtype = torch.bfloat16 if spec.bf16_weights or device.type == "cuda" else torch.float32
     probe = nn.Linear(128, 128, bias=spec.bias, device=torch.device(device.type), dtype=dtype)
     try:
-        layer = spec.apply(probe, plan)
-        x = torch.randn(128, 128, device=probe.weight.device, dtype=dtype, requires_grad=spec.training)
-        out = layer(x)
-        if spec.training:
-            out.float().sum().backward()
+        with torch.enable_grad():  # a training recipe is probed with a backward, even when compiled under no_grad
+            layer = spec.apply(probe, plan)
+            x = torch.randn(128, 128, device=probe.weight.device, dtype=dtype, requires_grad=spec.training)
+            out = layer(x)
+            if spec.training:
+                out.float().sum().backward()
     except Exception as error:
         raise QuantizeUnsupported(
             f"xform: transform 'quantize': recipe '{recipe}' does not run here ({device}, torch {torch.__version__}, "
