@@ -15,6 +15,7 @@ import operator
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch import fx, nn
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -57,7 +58,7 @@ def _layouts_of(tensors: Sequence[torch.Tensor]) -> set[Layout]:
         if is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
             found |= _layouts_of([getattr(t, n) for n in names])
-        elif t.device.type != "meta":
+        elif t.device.type != "meta" and not isinstance(t, FakeTensor):  # fakes (explain) have no address
             found.add(_layout(t))
     return found
 
