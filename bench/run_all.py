@@ -45,6 +45,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -71,15 +72,15 @@ class Chart:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One benchmark: the processes that run it (a script and its arguments each), the JSON files
-    they write (`<name>*.json` in the results folder), the rows to tabulate and how to chart them.
-    `quick` is appended to every run's arguments (argparse keeps an option's last value).
-    `gpus`: the CUDA GPUs it needs (0: runs on a CPU too); more than one launches it with torchrun
-    over every GPU there."""
+    """One benchmark: the processes that run it (a script and its arguments each, then `full`'s or
+    under --quick `quick`'s), the JSON files they write (`<name>*.json` in the results folder), the
+    rows to tabulate and how to chart them. `gpus`: the CUDA GPUs it needs (0: runs on a CPU too);
+    more than one launches it with torchrun over every GPU there."""
 
     name: str
     title: str
     runs: tuple[tuple[str, ...], ...]
+    full: tuple[str, ...]
     quick: tuple[str, ...]
     chart: Chart
     gpus: int = 1
@@ -89,24 +90,24 @@ class Benchmark:
 QUANTIZE_CHART = Chart(("mode", "recipe"), ("ms",), "ms a step", series="variant")
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("compile_overhead", "Compile-time overhead of xform with no transforms over Inductor",
-              (("bench/compile_overhead.py", "--repeats", "8"),), ("--repeats", "2"),
+              (("bench/compile_overhead.py",),), ("--repeats", "8"), ("--repeats", "2"),
               Chart(("model",), ("inductor_s", "xform_s"), "s, first forward + backward"), gpus=0),
     Benchmark("quantize_ffn", "Quantize: SwiGLU FFN, bf16 peers vs torchao by hand vs xform",
-              (("bench/quantize.py", "--model", "ffn", "--recipes", "all"),),
+              (("bench/quantize.py", "--model", "ffn"),), ("--recipes", "all"),
               ("--recipes", "float8-tensorwise,float8-dynamic", "--rounds", "1"), QUANTIZE_CHART),
     Benchmark("quantize_block", "Quantize: one llama decoder block",
-              (("bench/quantize.py", "--model", "block", "--recipes",
-                "float8-tensorwise,float8-rowwise,float8-rowwise-gw-hp,float8-dynamic", "--rounds", "3"),),
+              (("bench/quantize.py", "--model", "block"),),
+              ("--recipes", "float8-tensorwise,float8-rowwise,float8-rowwise-gw-hp,float8-dynamic", "--rounds", "3"),
               ("--recipes", "float8-tensorwise", "--rounds", "1"), QUANTIZE_CHART),
     Benchmark("attention", "Attention: SDPA as written vs flex_attention by hand vs xform vs ThunderFX",
-              (("bench/attention.py",),), ("--seq", "1024", "--masks", "causal,document", "--modes", "fwd+bwd"),
+              (("bench/attention.py",),), (), ("--seq", "1024", "--masks", "causal,document", "--modes", "fwd+bwd"),
               Chart(("seq", "mask", "mode"), ("as written", "flex triton", "flex flash", "xform", "thunder"), "ms")),
     Benchmark("cudagraphs", "CUDA graphs: decode step time (charted) and graph-pool memory",
-              (("bench/cudagraphs.py", "--jobs", "6"),), ("--only", "decode:plain"),
+              (("bench/cudagraphs.py",),), ("--jobs", "6"), ("--only", "decode:plain"),
               Chart(("case",), ("inductor ms", "reduce-overhead ms", "xform ms", "thunder ms",
                                 "thunder-cudagraphs ms"), "ms a decode step"), table="summary"),
     Benchmark("distribute", "Distribute: xform vs FSDP2 / DDP / tensor parallelism by hand",
-              tuple(("bench/distribute.py", "--strategy", s) for s in ("ddp", "fsdp", "tp", "fsdp+tp")),
+              tuple(("bench/distribute.py", "--strategy", s) for s in ("ddp", "fsdp", "tp", "fsdp+tp")), (),
               ("--layers", "2", "--dim", "1024", "--seq", "512", "--steps", "3"),
               Chart(("strategy",), ("step_ms",), "ms a training step", series="way"), gpus=2),
 )
@@ -126,7 +127,7 @@ def command(bench: Benchmark, run: tuple[str, ...], quick: bool, out: Path, gpus
     if bench.gpus > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(gpus)]
     script, *arguments = run
-    return [*launcher, str(ROOT / script), *arguments, *(bench.quick if quick else ()), "--out", str(out)]
+    return [*launcher, str(ROOT / script), *arguments, *(bench.quick if quick else bench.full), "--out", str(out)]
 
 
 def shown(argv: Sequence[str]) -> str:
@@ -239,8 +240,8 @@ def draw_chart(title: str, chart: Chart, rows: Sequence[dict[str, Any]], path: P
         xs = [j + (i - (len(bars) - 1) / 2) * width for j, g in enumerate(groups) if g in heights]
         axes.bar(xs, [heights[g] for g in groups if g in heights], width, label=bar)
     axes.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
-    axes.set_ylabel(chart.unit)
-    axes.set_title(f"{title} (lower is better)", fontsize=10)
+    axes.set_ylabel(f"{chart.unit} (lower is better)")
+    axes.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=10)
     axes.legend(fontsize=8)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
