@@ -187,6 +187,13 @@ def run_all(specs: list[str], jobs: int) -> list[dict[str, Any]]:
     return rows + [run_spec(s, {}) for s in specs if s not in overlapping]
 
 
+def unmeasured(row: dict[str, Any]) -> str | None:
+    """What a configuration without a figure shows in the summary: its skip reason, or that it failed."""
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    return "error: its row in the JSON has the end of its stderr" if "error" in row else None
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per decode case: each configuration's ms and xform / reduce-overhead; per memory workload:
     each configuration's peak reserved memory over Inductor's, and xform's overhead / reduce-overhead's."""
@@ -197,8 +204,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if case.startswith("decode"):
             ms = {c: got[c].get("ms_per_step") for c in DECODE_CONFIGS}
             ratio = round(ms["xform"] / ms["reduce-overhead"], 3) if ms["xform"] and ms["reduce-overhead"] else None
-            cells = {f"{c} ms": ms[c] or (f"skipped: {got[c]['skipped']}" if "skipped" in got[c] else None)
-                     for c in DECODE_CONFIGS}
+            cells = {f"{c} ms": ms[c] or unmeasured(got[c]) for c in DECODE_CONFIGS}
             table.append({"case": case, **cells, "xform/reduce-overhead": ratio})
         else:
             peak = {c: got[c].get("peak_reserved_gib") for c in CONFIGS}
