@@ -15,12 +15,14 @@ readings outside them are kept), and a bar chart per benchmark in docs/charts/<n
 
 On the device machine: only what is under $OUT comes back, so run there and render here:
 
-    device: python3 bench/run_all.py --out $OUT/results            (one call, or several --only)
+    device: python3 bench/run_all.py --out $OUT/results
     here:   python bench/run_all.py --render-only --out <files_at>/results
 
-(gather the JSON files of several calls in one folder first). The peers need their wheels
-carried in (`../shared/device/fetch-wheels.sh base thunder`: torchao, lightning-thunder); a peer
-that does not import is recorded as "skipped: <reason>" and the rest runs.
+All of it takes longer than one device call may run (10 minutes): split it over several calls
+with --only (--timeout ends a benchmark that would overrun) and gather their results folders in
+one before rendering. The peers need their wheels carried in (`../shared/device/fetch-wheels.sh
+base thunder`: torchao, lightning-thunder); a peer that does not import is recorded as
+"skipped: <reason>" and the rest runs.
 
 Charts need matplotlib, the optional extra `bench` (`pip install -e ".[bench]"`); without it the
 markdown is written all the same and says why the charts were skipped. To render on the device,
