@@ -77,7 +77,8 @@ class Benchmark:
     """One benchmark: the processes that run it (a script and its arguments each, then `full`'s or
     under --quick `quick`'s), the JSON files they write (`<name>*.json` in the results folder), the
     rows to tabulate and how to chart them. `gpus`: the CUDA GPUs it needs (0: runs on a CPU too);
-    more than one launches it with torchrun over every GPU there."""
+    more than one launches it with torchrun over every GPU there. `parts`: a column whose first
+    word (up to a ':') splits the rows into tables of their own, for rows of different columns."""
 
     name: str
     title: str
@@ -87,6 +88,7 @@ class Benchmark:
     chart: Chart
     gpus: int = 1
     table: str = "rows"
+    parts: str | None = None
 
 
 QUANTIZE_CHART = Chart(("mode", "recipe"), ("ms",), "ms a step", series="variant")
@@ -107,7 +109,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("cudagraphs", "CUDA graphs: decode step time (charted) and graph-pool memory",
               (("bench/cudagraphs.py",),), ("--jobs", "6"), ("--only", "decode:plain"),
               Chart(("case",), ("inductor ms", "reduce-overhead ms", "xform ms", "thunder ms",
-                                "thunder-cudagraphs ms"), "ms a decode step"), table="summary"),
+                                "thunder-cudagraphs ms"), "ms a decode step"), table="summary", parts="case"),
     Benchmark("distribute", "Distribute: xform vs FSDP2 / DDP / tensor parallelism by hand",
               tuple(("bench/distribute.py", "--strategy", s) for s in ("ddp", "fsdp", "tp", "fsdp+tp")), (),
               ("--layers", "2", "--dim", "1024", "--seq", "512", "--steps", "3"),
@@ -263,11 +265,22 @@ def notes(result: dict[str, Any], bench: Benchmark) -> list[str]:
     return [f"- {key}: {cell(value)}" for key, value in result.items() if key not in shown]
 
 
+def split(rows: Sequence[dict[str, Any]], column: str | None) -> list[list[dict[str, Any]]]:
+    """The rows in groups by the first word of `column` (in the order the groups first appear)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(str(row.get(column, "")).split(":")[0] if column else "", []).append(row)
+    return list(groups.values())
+
+
 def result_text(stem: str, result: dict[str, Any], bench: Benchmark, several: bool) -> list[str]:
     lines = [f"#### `{stem}.json`", ""] if several else []
     lines += [f"Measured on {environment_line(result)}.", ""]
     rows = result.get(bench.table) or []
-    lines += [markdown_table(rows) if rows else "(no rows)", ""]
+    if not rows:
+        lines += ["(no rows)", ""]
+    for part in split(rows, bench.parts):
+        lines += [markdown_table(part), ""]
     extra = notes(result, bench)
     return lines + (extra + [""] if extra else [])
 

@@ -130,6 +130,16 @@ def test_chart_points_drop_skips_errors_and_other_tables_rows():
         ("train bf16", "bf16 inductor", 12.8), ("train float8-tensorwise", "xform", 9.0)]
 
 
+def test_cudagraphs_decode_and_memory_rows_get_tables_of_their_own(tmp_path):
+    summary = [{"case": "decode:plain:1", "xform ms": 0.99}, {"case": "memory:train", "xform GiB": 9.5},
+               {"case": "decode:sync:1", "xform ms": 2.9}]
+    _write(tmp_path / "cudagraphs.json", {"environment": {}, "rows": [], "summary": summary})
+    cudagraphs = next(b for b in run_all.BENCHMARKS if b.name == "cudagraphs")
+    text = run_all.section(cudagraphs, tmp_path, tmp_path / "benchmarks.md", tmp_path / "charts")
+    assert "| case | xform ms |\n| --- | --- |\n| decode:plain:1 | 0.99 |\n| decode:sync:1 | 2.9 |\n" in text
+    assert "| case | xform GiB |\n| --- | --- |\n| memory:train | 9.5 |\n" in text
+
+
 def test_cells_are_one_line_without_pipes_and_bounded():
     assert run_all.cell("a|b\nc") == "a\\|b c"
     assert run_all.cell({"k": [1, 2]}) == '{"k": [1, 2]}'
