@@ -6,7 +6,8 @@ flex_attention (Triton and Flash backends) vs the same model through xform's fle
 bf16, 16 heads, head dim 128; batch 8 at 4096 tokens, scaled to keep B*S = 32768. Masks: causal,
 sliding window 1024 (causal), ALiBi + causal, document (1024-token documents) + causal. The
 model as written builds its mask from aranges / per-token ids and calls SDPA, as people write
-it. Times: `triton.testing.do_bench` medians in ms.
+it; "thunder" is that model through Lightning Thunder's ThunderFX (`ThunderCompiler`), "skipped"
+with the reason where thunder does not import. Times: `triton.testing.do_bench` medians in ms.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_result  # noqa: E402
+from common import Skipped, or_skipped, print_table, thunder_compile, write_result  # noqa: E402
 
 import xform  # noqa: E402
 
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[4096])
     parser.add_argument("--masks", default="causal,sliding,alibi,document")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
-    parser.add_argument("--variants", default="as written,flex triton,flex flash,xform")
+    parser.add_argument("--variants", default="as written,flex triton,flex flash,xform,thunder")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
@@ -114,10 +115,14 @@ def main() -> None:
                 "flex triton": flex_by_hand(mask, seq, batch, "triton", model.slopes, ids),
                 "flex flash": flex_by_hand(mask, seq, batch, "flash", model.slopes, ids),
                 "xform": xform.compile(AsWritten(mask, seq).cuda(), "flex-attention"),
+                "thunder": or_skipped(lambda: thunder_compile()(AsWritten(mask, seq).cuda())),
             }
             for mode in args.modes.split(","):
                 row = {"seq": seq, "batch": batch, "mask": mask, "mode": mode}
                 for name in args.variants.split(","):
+                    if isinstance(variants[name], Skipped):
+                        row[name] = variants[name].cell()
+                        continue
                     try:
                         row[name] = round(timed(variants[name], q, k, v, ids, mode), 3)
                     except Exception as error:  # a configuration that fails is a finding, not a crash
@@ -133,8 +138,8 @@ def main() -> None:
             print("xform:", [c.detail for g in xform.report(variants["xform"]).graphs for t in g.transforms
                              for c in t.changes + t.skips], flush=True)
             torch._dynamo.reset()
-    print_table(rows, ["seq", "mask", "mode", "as written", "flex triton", "flex flash", "xform", "xform / flash",
-                       "as written / xform"])
+    print_table(rows, ["seq", "mask", "mode", "as written", "flex triton", "flex flash", "xform", "thunder",
+                       "xform / flash", "as written / xform"])
     print("results:", write_result("attention", rows, args.out))
 
 

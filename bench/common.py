@@ -6,11 +6,48 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
+T = TypeVar("T")
+
+
+class Skipped(Exception):
+    """A configuration that cannot run here, for a reason said in the message (a peer that does not
+    import): recorded as "skipped: <reason>" in the results, unlike a failure, which is a finding."""
+
+    def cell(self) -> str:
+        return f"skipped: {self}"
+
+
+def or_skipped(make: Callable[[], T]) -> T | Skipped:
+    """`make()`, or the Skipped it raised, kept in its place so that the rest of the run goes on."""
+    try:
+        return make()
+    except Skipped as skipped:
+        return skipped
+
+
+def thunder_compile(cudagraphs: bool = False) -> Callable[[nn.Module], Callable[..., Any]]:
+    """The ThunderFX peer: a function compiling a model with `torch.compile(model,
+    backend=thunder.dynamo.ThunderCompiler())`, a backend per model since it keeps the model's
+    subgraphs; `cudagraphs`: with Thunder's own CUDA graphs (its `CUDAGraphTransform` passed on to
+    `thunder.jit`), the peer of reduce-overhead. Raises Skipped at once, before any model is built,
+    where lightning-thunder does not import (it needs torch 2.11: torch 2.13 removed named tensors)."""
+    try:
+        from thunder.dynamo import ThunderCompiler
+        from thunder.transforms.cudagraph import CUDAGraphTransform
+    except Exception as error:  # ImportError, or AttributeError from inside thunder on a newer torch
+        raise Skipped(f"lightning-thunder does not import here ({type(error).__name__}: {error})") from error
+
+    def compile_(model: nn.Module) -> Callable[..., Any]:
+        options = {"transforms": [CUDAGraphTransform()]} if cudagraphs else {}
+        return torch.compile(model, backend=ThunderCompiler(**options))
+
+    return compile_
 
 
 def environment() -> dict[str, Any]:

@@ -5,6 +5,8 @@ after another on the same GPU (memory runs several at a time with `--jobs`):
 
 - decode: the llama-style decoder (16 layers, dim 2048, static KV cache of 1024, bf16), one token
   a step, batch 1 and 8, as written and with a host sync (`.item()`) in every layer; ms a step.
+  Peers here also: Lightning Thunder's ThunderFX (`thunder`) and ThunderFX with Thunder's own CUDA
+  graphs (`thunder-cudagraphs`), "skipped" with the reason where thunder does not import.
 - memory: peak reserved GPU memory over the same run without CUDA graphs, where graph pools cost.
   Training (8 layers, fwd + bwd + AdamW, 8 steps): `train` (4 x 512 tokens, one graph),
   `train-breaks` (the same with a graph break after every layer, `Llama(graph_breaks=True)`) and
@@ -38,11 +40,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_result  # noqa: E402
+from bench.common import Skipped, print_table, thunder_compile, write_result  # noqa: E402
 from bench.models import DecodeLlama, Llama, LlamaConfig  # noqa: E402
 
 CONFIGS = ("inductor", "reduce-overhead", "xform")
-DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync") for b in (1, 8) for c in CONFIGS]
+PEERS = ("thunder", "thunder-cudagraphs")  # decode only: ThunderFX, plain and with Thunder's CUDA graphs
+DECODE_CONFIGS = CONFIGS + PEERS
+DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync") for b in (1, 8) for c in DECODE_CONFIGS]
 TRAIN = {"train": (LlamaConfig(layers=8, max_seq=512), False, (4, 512)),
          "train-breaks": (LlamaConfig(layers=8, max_seq=512), True, (4, 512)),
          "train-breaks-big": (LlamaConfig(layers=8, max_seq=1024), True, (8, 1024))}
@@ -56,16 +60,20 @@ MEMORY = [f"memory:{w}:{c}" for w in ("buckets-big", "train", "train-breaks-big"
 TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
 
 
-def compiled(model: torch.nn.Module, config: str, dynamic: bool | None = None) -> Callable[..., Any]:
+def compiler(config: str, dynamic: bool | None = None) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """How a configuration compiles a model; for a peer that does not import here it raises Skipped
+    at once, before a model is built."""
+    if config in PEERS:
+        return thunder_compile(cudagraphs=config == "thunder-cudagraphs")
     if config == "inductor":
-        return torch.compile(model, dynamic=dynamic)
+        return lambda model: torch.compile(model, dynamic=dynamic)
     if config == "reduce-overhead":
-        return torch.compile(model, mode="reduce-overhead", dynamic=dynamic)
+        return lambda model: torch.compile(model, mode="reduce-overhead", dynamic=dynamic)
     import xform
     from xform.transforms import CudaGraphs
 
     TRANSFORMS.append(CudaGraphs())
-    return torch.compile(model, backend=xform.Backend(TRANSFORMS), dynamic=dynamic)
+    return lambda model: torch.compile(model, backend=xform.Backend(TRANSFORMS), dynamic=dynamic)
 
 
 def replay_stats() -> dict[str, int]:
@@ -78,9 +86,10 @@ def replay_stats() -> dict[str, int]:
 
 
 def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int = 5) -> dict[str, Any]:
+    compile_ = compiler(config)
     torch.manual_seed(0)
     model = DecodeLlama(LlamaConfig(), batch, host_sync=variant == "sync").to("cuda", torch.bfloat16).eval()
-    step = compiled(model, config)
+    step = compile_(model)
     tokens = torch.randint(32000, (batch, 1), device="cuda")
     positions = torch.arange(1024, device="cuda")
     times = []
@@ -104,7 +113,7 @@ def training_calls(workload: str, config: str) -> list[Callable[[], None]]:
     c, graph_breaks, (batch, seq) = TRAIN[workload]
     model = Llama(c, graph_breaks=graph_breaks).to("cuda", torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    step = compiled(model, config)
+    step = compiler(config)(model)
     tokens = torch.randint(c.vocab, (batch, seq), device="cuda")
 
     def run() -> None:
@@ -119,7 +128,7 @@ def bucket_calls(workload: str, config: str) -> list[Callable[[], None]]:
     """Four rounds of inference at each batch size of a BUCKETS workload."""
     c, batches, seq = BUCKETS[workload]
     model = Llama(c).to("cuda", torch.bfloat16).eval()
-    step = compiled(model, config, dynamic=False)  # one static graph per batch size, as servers record
+    step = compiler(config, dynamic=False)(model)  # one static graph per batch size, as servers record
     inputs = [torch.randint(c.vocab, (b, seq), device="cuda") for b in batches]
 
     def infer(tokens: torch.Tensor) -> Callable[[], None]:
@@ -146,12 +155,15 @@ def memory(workload: str, config: str) -> dict[str, Any]:
 
 def run_one(spec: str) -> dict[str, Any]:
     kind, *rest = spec.split(":")
-    if kind == "decode":
-        variant, batch, config = rest
-        result = decode(variant, int(batch), config)
-    else:
-        workload, config = rest
-        result = memory(workload, config)
+    try:
+        if kind == "decode":
+            variant, batch, config = rest
+            result = decode(variant, int(batch), config)
+        else:
+            workload, config = rest
+            result = memory(workload, config)
+    except Skipped as skipped:
+        return {"spec": spec, "skipped": str(skipped)}
     return {"spec": spec, **result, **({"xform": replay_stats()} if TRANSFORMS else {})}
 
 
@@ -175,17 +187,25 @@ def run_all(specs: list[str], jobs: int) -> list[dict[str, Any]]:
     return rows + [run_spec(s, {}) for s in specs if s not in overlapping]
 
 
+def unmeasured(row: dict[str, Any]) -> str | None:
+    """What a configuration without a figure shows in the summary: its skip reason, or that it failed."""
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    return "error: its row in the JSON has the end of its stderr" if "error" in row else None
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per decode case: each configuration's ms and xform / reduce-overhead; per memory workload:
     each configuration's peak reserved memory over Inductor's, and xform's overhead / reduce-overhead's."""
     by_spec = {r["spec"]: r for r in rows}
     table = []
     for case in sorted({s.rsplit(":", 1)[0] for s in by_spec}):
-        got = {c: by_spec.get(f"{case}:{c}", {}) for c in CONFIGS}
+        got = {c: by_spec.get(f"{case}:{c}", {}) for c in DECODE_CONFIGS}
         if case.startswith("decode"):
-            ms = {c: got[c].get("ms_per_step") for c in CONFIGS}
+            ms = {c: got[c].get("ms_per_step") for c in DECODE_CONFIGS}
             ratio = round(ms["xform"] / ms["reduce-overhead"], 3) if ms["xform"] and ms["reduce-overhead"] else None
-            table.append({"case": case, **{f"{c} ms": ms[c] for c in CONFIGS}, "xform/reduce-overhead": ratio})
+            cells = {f"{c} ms": ms[c] or unmeasured(got[c]) for c in DECODE_CONFIGS}
+            table.append({"case": case, **cells, "xform/reduce-overhead": ratio})
         else:
             peak = {c: got[c].get("peak_reserved_gib") for c in CONFIGS}
             base = peak["inductor"]

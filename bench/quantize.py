@@ -7,8 +7,10 @@ Models: a llama-style SwiGLU FFN (4096 -> 14336 -> 4096) or a full decoder block
 32 heads, 8 KV heads, hidden 14336), bf16, 8192 tokens a step. Training recipes time a forward +
 backward step, inference recipes a forward (prefill) under no_grad. "by hand" is what a user
 writes today: torchao's `convert_to_float8_training` / `quantize_` on the model, then
-`torch.compile`. Each row: median step time (CUDA events, interleaved rounds), speed-up over bf16,
-the memory a step needs beyond what is allocated before it, and the weights' bytes.
+`torch.compile`. "bf16 thunder" is the bf16 model through Lightning Thunder's ThunderFX
+(`torch.compile(model, backend=thunder.dynamo.ThunderCompiler())`), "skipped" with the reason where
+thunder does not import. Each row: median step time (CUDA events, interleaved rounds), speed-up
+over bf16, the memory a step needs beyond what is allocated before it, and the weights' bytes.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import gc
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_ms, print_table, step_peak_gib, write_result  # noqa: E402
+from common import Skipped, cuda_ms, print_table, step_peak_gib, thunder_compile, write_result  # noqa: E402
 from models import DecoderLayer, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402
@@ -97,16 +100,23 @@ def step(compiled, x: torch.Tensor, training: bool):
     return run
 
 
+def compiler(variant: str, recipe: str | None) -> Callable[[nn.Module], Callable]:
+    """How one configuration compiles the model; raises Skipped, before any model is built, where its
+    peer does not import here."""
+    if variant == "bf16 thunder":
+        return thunder_compile()
+    if recipe is None:
+        return torch.compile
+    if variant == "torchao by hand":
+        return lambda model: by_hand(model, recipe)
+    return lambda model: xform.compile(model, f"quantize:{recipe}")
+
+
 def prepare(kind: str, variant: str, recipe: str | None, training: bool) -> tuple[nn.Module, object]:
     """A compiled step for one configuration, already run once (so compiled)."""
+    compile_ = compiler(variant, recipe)
     model = make_model(kind)
-    if recipe is None:
-        compiled = torch.compile(model)
-    elif variant == "torchao by hand":
-        compiled = by_hand(model, recipe)
-    else:
-        compiled = xform.compile(model, f"quantize:{recipe}")
-    run = step(compiled, make_input(kind, training), training)
+    run = step(compile_(model), make_input(kind, training), training)
     run()
     return model, run
 
@@ -117,7 +127,7 @@ def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, ro
     for variant, recipe in configs:
         try:
             prepared[(variant, recipe)] = prepare(kind, variant, recipe, training)
-        except Exception as error:  # a failing configuration is a finding, not a crash
+        except Exception as error:  # a failing configuration is a finding, a skipped one a fact: no crash
             print(f"{variant} {recipe}: {type(error).__name__}: {error}", flush=True)
             prepared[(variant, recipe)] = error
     times: dict = {key: [] for key, value in prepared.items() if not isinstance(value, Exception)}
@@ -127,7 +137,9 @@ def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, ro
     rows = []
     for (variant, recipe), value in prepared.items():
         row = {"model": kind, "recipe": recipe or "bf16", "mode": "train" if training else "infer", "variant": variant}
-        if isinstance(value, Exception):
+        if isinstance(value, Skipped):
+            row["skipped"] = str(value)
+        elif isinstance(value, Exception):
             row["error"] = f"{type(value).__name__}: {str(value)[:300]}"
         else:
             model, run = value
@@ -166,11 +178,11 @@ def main() -> None:
             runnable.append(recipe)
         if not runnable:
             continue
-        rows += measure(args.model, [("bf16 inductor", None)], mode == "train", args.rounds)
+        rows += measure(args.model, [("bf16 inductor", None), ("bf16 thunder", None)], mode == "train", args.rounds)
         for recipe in runnable:
             rows += measure(args.model, [("torchao by hand", recipe), ("xform", recipe)], mode == "train", args.rounds)
             write_result(f"quantize_{args.model}", rows, args.out, refused=refused, partial=True)
-    baselines = {r["mode"]: r for r in rows if r["recipe"] == "bf16"}
+    baselines = {r["mode"]: r for r in rows if r["variant"] == "bf16 inductor"}
     for row in rows:
         if "ms" in row:
             row["speedup_vs_bf16"] = round(baselines[row["mode"]]["ms"] / row["ms"], 3)
@@ -179,7 +191,7 @@ def main() -> None:
         if row["variant"] == "xform" and hand and "ms" in hand and "ms" in row:
             row["xform_vs_by_hand"] = round(hand["ms"] / row["ms"], 3)
     print_table(rows, ["model", "mode", "recipe", "variant", "ms", "speedup_vs_bf16", "xform_vs_by_hand",
-                       "step_peak_gib", "weights_gib", "error"])
+                       "step_peak_gib", "weights_gib", "error", "skipped"])
     for recipe, why in refused.items():
         print(f"not run: {recipe}: {why}")
     print("results:", write_result(f"quantize_{args.model}", rows, args.out, refused=refused))

@@ -1,0 +1,219 @@
+"""bench/run_all.py: benchmarks run in processes of their own, rendered between the markers of a
+markdown file with a chart each; the ThunderFX peer is a stated skip where thunder does not import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import run_all
+from bench.common import Skipped, or_skipped, thunder_compile
+
+ROOT = Path(__file__).resolve().parents[1]
+STUB = '''
+import argparse, json, os
+from pathlib import Path
+parser = argparse.ArgumentParser()
+parser.add_argument("--size", default="full")
+parser.add_argument("--fail", action="store_true")
+parser.add_argument("--out", type=Path)
+args = parser.parse_args()
+if args.fail:
+    raise SystemExit(3)
+rows = [{"case": "a", "fast ms": 1.5, "slow ms": 2.0, "size": args.size, "pid": os.getpid()}]
+(args.out / "stub.json").write_text(json.dumps({"benchmark": "stub", "environment": {"torch": "t"}, "rows": rows}))
+'''
+CHART = run_all.Chart(("case",), ("fast ms", "slow ms"), "ms")
+
+
+def _thunder_imports() -> bool:
+    try:
+        import thunder.dynamo  # noqa: F401
+    except Exception:  # ImportError, or AttributeError on torch >= 2.13
+        return False
+    return True
+
+
+no_thunder = pytest.mark.skipif(_thunder_imports(), reason="lightning-thunder imports here")
+
+
+def _matplotlib_imports() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _stub(tmp_path: Path, name: str, *arguments: str, gpus: int = 0) -> run_all.Benchmark:
+    script = tmp_path / "stub.py"
+    script.write_text(STUB)
+    return run_all.Benchmark(name, f"The {name} benchmark", ((str(script), *arguments),), (),
+                             ("--size", "quick"), CHART, gpus=gpus)
+
+
+def _doc(tmp_path: Path) -> Path:
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(f"# Benchmarks\n\nA reading by hand.\n\n{run_all.BEGIN}\nNot run yet.\n{run_all.END}\n\nAfter.\n")
+    return doc
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+
+
+QUANTIZE_RESULT = {
+    "benchmark": "quantize_ffn", "environment": {"gpu": "NVIDIA H200", "torch": "2.11.0", "python": "3.12.3"},
+    "rows": [
+        {"model": "ffn", "recipe": "bf16", "mode": "train", "variant": "bf16 inductor", "ms": 12.8},
+        {"model": "ffn", "recipe": "bf16", "mode": "train", "variant": "bf16 thunder",
+         "skipped": "lightning-thunder does not import here (AttributeError: named tensors)"},
+        {"model": "ffn", "recipe": "float8-tensorwise", "mode": "train", "variant": "xform", "ms": 9.0},
+    ],
+    "refused": {"nvfp4": "needs SM100"},
+}
+
+
+def test_render_replaces_only_the_marked_section_with_tables_and_a_chart(tmp_path):
+    doc, out = _doc(tmp_path), tmp_path / "results"
+    _write(out / "quantize_ffn.json", QUANTIZE_RESULT)
+    bench = next(b for b in run_all.BENCHMARKS if b.name == "quantize_ffn")
+    run_all.render([bench], out, doc, doc.parent / "charts")
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nA reading by hand.\n\n" + run_all.BEGIN)
+    assert text.endswith(run_all.END + "\n\nAfter.\n") and "Not run yet." not in text
+    assert text.count(run_all.BEGIN) == 1 and text.count(run_all.END) == 1
+    assert "### Quantize: SwiGLU FFN" in text and "Measured on NVIDIA H200, torch 2.11.0, Python 3.12.3." in text
+    assert "| model | recipe | mode | variant | ms | skipped |" in text
+    assert "| ffn | bf16 | train | bf16 thunder |  | lightning-thunder does not import here" in text
+    assert '- refused: {"nvfp4": "needs SM100"}' in text
+    if _matplotlib_imports():
+        assert "![quantize_ffn](charts/quantize_ffn.png)" in text
+        assert (doc.parent / "charts" / "quantize_ffn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "Chart skipped: matplotlib does not import here" in text
+
+
+def test_without_matplotlib_the_tables_are_written_and_the_chart_skip_says_why(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    doc, out = _doc(tmp_path), tmp_path / "results"
+    _write(out / "quantize_ffn.json", QUANTIZE_RESULT)
+    bench = next(b for b in run_all.BENCHMARKS if b.name == "quantize_ffn")
+    run_all.render([bench], out, doc, doc.parent / "charts")
+    text = doc.read_text()
+    assert "| ffn | bf16 | train | bf16 inductor | 12.8 |" in text
+    assert 'Chart skipped: matplotlib does not import here' in text and 'pip install -e ".[bench]"' in text
+    assert not (doc.parent / "charts").exists()
+
+
+def test_markers_are_added_at_the_end_where_missing():
+    text = run_all.replace_generated("# Benchmarks\n\nprose\n", "new")
+    assert text == f"# Benchmarks\n\nprose\n\n{run_all.BEGIN}\nnew\n{run_all.END}\n"
+    assert run_all.replace_generated(text, "newer").count("newer") == 1
+
+
+def test_chart_points_drop_skips_errors_and_other_tables_rows():
+    cudagraphs = next(b for b in run_all.BENCHMARKS if b.name == "cudagraphs")
+    summary = [{"case": "decode:plain:1", "inductor ms": 3.7, "xform ms": 0.99, "thunder ms": "skipped: no thunder"},
+               {"case": "memory:train", "inductor GiB": 6.5}]
+    assert run_all.points(summary, cudagraphs.chart) == [("decode:plain:1", "inductor ms", 3.7),
+                                                        ("decode:plain:1", "xform ms", 0.99)]
+    assert run_all.points(QUANTIZE_RESULT["rows"], run_all.QUANTIZE_CHART) == [
+        ("train bf16", "bf16 inductor", 12.8), ("train float8-tensorwise", "xform", 9.0)]
+
+
+def test_cudagraphs_decode_and_memory_rows_get_tables_of_their_own(tmp_path):
+    summary = [{"case": "decode:plain:1", "xform ms": 0.99}, {"case": "memory:train", "xform GiB": 9.5},
+               {"case": "decode:sync:1", "xform ms": 2.9}]
+    _write(tmp_path / "cudagraphs.json", {"environment": {}, "rows": [], "summary": summary})
+    cudagraphs = next(b for b in run_all.BENCHMARKS if b.name == "cudagraphs")
+    text = run_all.section(cudagraphs, tmp_path, tmp_path / "benchmarks.md", tmp_path / "charts")
+    assert "| case | xform ms |\n| --- | --- |\n| decode:plain:1 | 0.99 |\n| decode:sync:1 | 2.9 |\n" in text
+    assert "| case | xform GiB |\n| --- | --- |\n| memory:train | 9.5 |\n" in text
+
+
+def test_cells_are_one_line_without_pipes_and_bounded():
+    assert run_all.cell("a|b\nc") == "a\\|b c"
+    assert run_all.cell({"k": [1, 2]}) == '{"k": [1, 2]}'
+    assert run_all.cell(None) == "" and len(run_all.cell("x" * 1000)) == run_all.CELL_CHARS
+
+
+def test_each_benchmark_runs_in_a_process_of_its_own_and_is_rendered(tmp_path):
+    benchmarks = [_stub(tmp_path, "stub"), _stub(tmp_path, "stub_fails", "--fail"),
+                  _stub(tmp_path, "stub_gpu", gpus=1), _stub(tmp_path, "stub_left_out")]
+    doc, out = _doc(tmp_path), tmp_path / "results"
+    run_all.main(["--out", str(out), "--quick", "--skip", "stub_left_out", "--docs", str(doc)], benchmarks)
+    result = json.loads((out / "stub.json").read_text())
+    assert result["rows"][0]["size"] == "quick" and result["rows"][0]["pid"] != os.getpid()
+    records = {p.stem: json.loads(p.read_text()) for p in (out / "run_all").glob("*.json")}
+    assert set(records) == {"stub", "stub_fails", "stub_gpu"}
+    assert records["stub"]["status"] == "ran" and records["stub"]["commands"][0].startswith("python ")
+    assert records["stub_fails"]["status"] == "failed"
+    assert records["stub_fails"]["reason"] == f"{tmp_path}/stub.py --fail: exit status 3"
+    if run_all.cuda_devices() == 0:
+        assert records["stub_gpu"]["reason"] == "needs 1 CUDA GPU(s), this machine has 0"
+    assert records["stub_gpu"]["status"] == ("skipped" if run_all.cuda_devices() == 0 else "ran")
+    assert "$ " in (out / "logs" / "stub.log").read_text()
+    text = doc.read_text()
+    assert "### The stub benchmark" in text and "| a | 1.5 | 2.0 | quick |" in text
+    assert "Status: failed (" in text and "### The stub_left_out benchmark" not in text
+
+
+def test_a_process_past_the_timeout_is_ended_and_said_so(tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    log = tmp_path / "log"
+    assert run_all.run_process([sys.executable, str(script)], log, timeout=1) == "timed out after 1 s"
+
+
+def test_only_and_skip_name_known_benchmarks():
+    assert [b.name for b in run_all.selected(run_all.BENCHMARKS, "attention,cudagraphs", "cudagraphs")] == ["attention"]
+    with pytest.raises(SystemExit, match="unknown benchmark"):
+        run_all.selected(run_all.BENCHMARKS, "atention", None)
+
+
+def test_distribute_launches_with_torchrun_over_every_gpu(tmp_path):
+    bench = next(b for b in run_all.BENCHMARKS if b.name == "distribute")
+    argv = run_all.command(bench, bench.runs[1], False, tmp_path, gpus=8)
+    assert argv[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "8"]
+    assert argv[-4:] == ["--strategy", "fsdp", "--out", str(tmp_path)]
+
+
+@no_thunder
+def test_the_thunder_peer_is_a_stated_skip_where_thunder_does_not_import():
+    with pytest.raises(Skipped, match="lightning-thunder does not import here"):
+        thunder_compile()
+    skipped = or_skipped(lambda: thunder_compile(cudagraphs=True)(torch.nn.Linear(2, 2)))
+    assert isinstance(skipped, Skipped) and skipped.cell().startswith("skipped: lightning-thunder does not import")
+
+
+@no_thunder
+@pytest.mark.parametrize("code", [
+    "import quantize; print(json.dumps(quantize.measure('ffn', [('bf16 thunder', None)], True, 1)))",
+    "import cudagraphs; print(json.dumps([cudagraphs.run_one('decode:sync:8:thunder-cudagraphs')]))",
+])
+def test_the_benchmarks_record_the_thunder_skip_and_go_on(code):
+    """In a process of its own (the benchmark scripts put bench/ first on sys.path), on a CPU: the
+    skip comes before any model is built on the GPU."""
+    done = subprocess.run([sys.executable, "-c", f"import json, sys; sys.path.insert(0, 'bench'); {code}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    [row] = json.loads(done.stdout.splitlines()[-1])
+    assert row["skipped"].startswith("lightning-thunder does not import here")
+
+
+@pytest.mark.thunder
+@pytest.mark.skipif(not _thunder_imports(), reason="lightning-thunder does not import here (it needs torch 2.11)")
+def test_the_thunder_peer_compiles_with_thunderfx_where_thunder_imports():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(thunder_compile()(model)(x), model(x))
