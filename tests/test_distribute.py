@@ -115,6 +115,19 @@ def test_tensor_parallel_training_matches_one_process(tmp_path, single, processe
 
 
 @pytest.mark.slow
+def test_tensor_parallel_llama_with_grouped_query_attention(tmp_path):
+    alone = run(tmp_path, 1, "--way", "single", "--model", "llama", "--steps", str(STEPS))
+    result = run(tmp_path, 2, "--way", "xform", "--strategy", "tp", "--model", "llama", "--steps", str(STEPS))
+
+    assert_losses(result, alone, EXACT)
+    assert result["changes"] == 2 * 6  # per layer: wq, wkv (2 blocks: k and v, each by heads), wo, w1, w3, w2
+    linears = 2 * (3 * 64 * 64 + 3 * 64 * 128) * 4  # their bytes, float32; each rank keeps half
+    assert result["param_bytes"] == [alone["param_bytes"][0] - linears // 2] * 2
+    assert result["skips"] == [["output", "stays replicated: its sharded output reaches the graph's output"]]
+    assert result["state_dict_full_shapes"] is True and result["reloaded"] is True
+
+
+@pytest.mark.slow
 def test_tensor_parallel_through_inductor_and_a_recompile(tmp_path):
     alone = run(tmp_path, 1, "--way", "single", "--steps", str(STEPS), "--eval-batch", "3")
     result = run(tmp_path, 2, "--way", "xform", "--strategy", "tp", "--handoff", "inductor", "--steps", str(STEPS),

@@ -21,7 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from models import TransformerBlock  # noqa: E402
+
+from bench.models import Llama, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402
 
@@ -47,6 +50,8 @@ def main() -> None:
     parser.add_argument("--handoff", default="eager")
     parser.add_argument("--quantize", default=None)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", choices=["tiny", "llama"], default="tiny",
+                        help="llama: bench's decoder, small (grouped-query attention, rotary, SwiGLU, fused k/v)")
     parser.add_argument("--tp-size", type=int, default=None, help="fsdp+tp: ranks per tensor-parallel group")
     parser.add_argument("--flex", action="store_true", help="also flex-attention (after distribute)")
     parser.add_argument("--eval-batch", type=int, default=0, help="then run eval at this batch size (a recompile)")
@@ -57,7 +62,8 @@ def main() -> None:
     if args.way in ("ddp", "fsdp2"):
         dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM() if args.model == "tiny" else Llama(LlamaConfig(vocab=64, dim=64, layers=2, heads=4, kv_heads=2,
+                                                                    hidden=128, max_seq=16))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = torch.randint(0, 64, (args.steps, 8, 16))
     targets = torch.randint(0, 64, (args.steps, 8, 16))
