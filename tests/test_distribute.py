@@ -128,6 +128,20 @@ def test_tensor_parallel_llama_with_grouped_query_attention(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
+def test_training_through_a_recompile_at_another_batch_size(tmp_path, strategy):
+    """Odd steps take half the batch: Dynamo retraces the sharded model (its ShardedParameters
+    gather where the retraced graph computes with them) in one graph, forward and backward."""
+    alone = run(tmp_path, 1, "--way", "single", "--vary-batch", "--steps", "6")
+    result = run(tmp_path, 2, "--way", "xform", "--strategy", strategy, "--vary-batch", "--steps", "6")
+    assert len(result["losses"]) == 6
+    assert result["changes"] == {"tp": 12, "fsdp": 27}[strategy]  # cut at the first call, not dropped
+    assert result["graphs"] == 2  # the first shape, then one retrace for both: not fragmented by graph breaks
+    for a, e in zip(result["losses"], alone["losses"]):
+        assert abs(a - e) <= EXACT
+
+
+@pytest.mark.slow
 def test_tensor_parallel_through_inductor_and_a_recompile(tmp_path):
     alone = run(tmp_path, 1, "--way", "single", "--steps", str(STEPS), "--eval-batch", "3")
     result = run(tmp_path, 2, "--way", "xform", "--strategy", "tp", "--handoff", "inductor", "--steps", str(STEPS),
@@ -216,7 +230,7 @@ def test_sharded_parameter_gathers_for_computations_only(func, local):
 
 def test_sharded_parameter_keeps_its_type_through_copies():
     shard = torch.Tensor._make_subclass(ShardedParameter, torch.randn(4, 3), True)
-    shard.shards = (ShardSpec(0, 8, "0"),)
+    shard.shards = (ShardSpec(0, 8, "0", 2, 0),)
     param = nn.Parameter(shard)
     for copy in (param.detach(), param.clone(), param.float()):
         assert type(copy) is ShardedParameter and copy.shards == shard.shards and copy.shape == (4, 3)

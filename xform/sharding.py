@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 
@@ -30,20 +29,12 @@ class ShardSpec:
     dim: int
     size: int  # the dimension's size before this cut
     group_name: str
+    world: int  # the group's size and this rank's place in it: known when cutting, and read while tracing
+    rank: int  # (a retrace must not call into the process group, which Dynamo cannot trace)
     outer: int = 1
     # how the gathered tensor's gradient goes back to the shard: "avg" when ranks see different data
     # (reduce-scatter the mean, FSDP), "slice" when every rank computes the same full gradient (TP)
     gradient: str = "avg"
-
-
-def _group(name: str) -> Any:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-def _world(group: Any) -> tuple[int, int]:
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _blocked(tensor: torch.Tensor, spec: ShardSpec, world: int) -> torch.Tensor:
@@ -90,16 +81,15 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         ctx.spec = spec
-        ctx.world, ctx.rank = _world(_group(spec.group_name))
-        return _all_gather(local, spec, ctx.world)
+        return _all_gather(local, spec, spec.world)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         import torch.distributed._functional_collectives as funcol
 
-        spec, world = ctx.spec, ctx.world
+        spec, world = ctx.spec, ctx.spec.world
         if spec.gradient == "slice":
-            return local_part(grad, spec, world, ctx.rank).contiguous(), None
+            return local_part(grad, spec, world, spec.rank).contiguous(), None
         rank_major = torch.cat([local_part(grad, spec, world, r).movedim(spec.dim, 0) for r in range(world)])
         reduced = funcol.reduce_scatter_tensor(rank_major.contiguous(), "avg", 0, spec.group_name)
         return reduced.movedim(0, spec.dim), None
@@ -111,9 +101,10 @@ def gather(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         return _Gather.apply(local, spec)
 
 
-def gather_cut(local: torch.Tensor, dim: int, size: int, group_name: str, outer: int, gradient: str) -> torch.Tensor:
+def gather_cut(local: torch.Tensor, dim: int, size: int, group_name: str, world: int, rank: int, outer: int,
+               gradient: str) -> torch.Tensor:
     """`gather` for FX graphs, which take constants as call arguments but not dataclasses."""
-    return gather(local, ShardSpec(dim, size, group_name, outer, gradient))
+    return gather(local, ShardSpec(dim, size, group_name, world, rank, outer, gradient))
 
 
 def gather_all(local: torch.Tensor, shards: tuple[ShardSpec, ...]) -> torch.Tensor:
@@ -146,9 +137,10 @@ def is_local(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):  # attributes: shape, grad, data, requires_grad, ...
         return True
-    if name.startswith("__") and name.endswith("__"):
+    # slices, not str.startswith/endswith: Dynamo traces this on a retrace and cannot trace those
+    if name[:2] == "__" and name[-2:] == "__":
         return name not in _ARITHMETIC_DUNDERS
-    return (name.startswith("_") or name.endswith("_") or name.endswith("_like") or name.startswith("is_")
+    return (name[:1] == "_" or name[-1:] == "_" or name[-5:] == "_like" or name[:3] == "is_"
             or name in _LOCAL_METHODS)
 
 
@@ -199,9 +191,8 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 def cut(param: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     """`param` (a full tensor, or one already cut) cut once more by `spec`, as a ShardedParameter."""
-    world, rank = _world(_group(spec.group_name))
     with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-        local = local_part(param.detach(), spec, world, rank).clone()
+        local = local_part(param.detach(), spec, spec.world, spec.rank).clone()
     shard = _as_sharded(local, shards_of(param) + (spec,))
     return nn.Parameter(shard, requires_grad=param.requires_grad)
 
@@ -210,8 +201,7 @@ def recut(full: torch.Tensor, shards: tuple[ShardSpec, ...]) -> torch.Tensor:
     """`full` cut as `shards` say (to load a full state-dict entry into a sharded parameter)."""
     with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
         for spec in shards:
-            world, rank = _world(_group(spec.group_name))
-            full = local_part(full, spec, world, rank)
+            full = local_part(full, spec, spec.world, spec.rank)
         return full.clone()
 
 

@@ -67,7 +67,7 @@ def sum_over_ranks(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
 
 def take_local(tensor: torch.Tensor, dim: int, outer: int, world: int, rank: int) -> torch.Tensor:
     """This rank's chunk of a replicated tensor along `dim` (as `xform.sharding.local_part`)."""
-    return local_part(tensor, ShardSpec(dim, tensor.shape[dim], "", outer), world, rank)
+    return local_part(tensor, ShardSpec(dim, tensor.shape[dim], "", world, rank, outer), world, rank)
 
 
 def apply_plan(graph: CapturedGraph, plan: TensorParallelPlan, group_name: str, rank: int, *,
@@ -78,12 +78,12 @@ def apply_plan(graph: CapturedGraph, plan: TensorParallelPlan, group_name: str, 
         _, weight, bias = linear_operands(linear)
         for node in (weight, bias):
             if node is not None:
-                lines.append(_cut(graph, node, ShardSpec(0, example_value(node).shape[0], group_name, outer, "slice"),
-                                  plan.world, by, "column"))
+                spec = ShardSpec(0, example_value(node).shape[0], group_name, plan.world, rank, outer, "slice")
+                lines.append(_cut(graph, node, spec, by, "column"))
     for linear, outer in plan.rows.items():
         _, weight, bias = linear_operands(linear)
-        lines.append(_cut(graph, weight, ShardSpec(1, example_value(weight).shape[1], group_name, outer, "slice"),
-                          plan.world, by, "row"))
+        spec = ShardSpec(1, example_value(weight).shape[1], group_name, plan.world, rank, outer, "slice")
+        lines.append(_cut(graph, weight, spec, by, "row"))
         _sum_then_bias(graph.gm.graph, linear, bias, group_name)
     g = graph.gm.graph
     last_placeholder = graph.placeholders[-1]
@@ -105,12 +105,12 @@ def apply_plan(graph: CapturedGraph, plan: TensorParallelPlan, group_name: str, 
     return lines
 
 
-def _cut(graph: CapturedGraph, node: fx.Node, spec: ShardSpec, world: int, by: str, kind: str) -> tuple[str, str]:
+def _cut(graph: CapturedGraph, node: fx.Node, spec: ShardSpec, by: str, kind: str) -> tuple[str, str]:
     param = graph.parameter_for(node)
     before = tuple(param.tensor.shape)
     new = cut(param.tensor, spec)
     blocks = f", {spec.outer} blocks" if spec.outer > 1 else ""
-    graph.replace_parameter(param, new, by=by, placement=f"Shard({spec.dim}) of {world}{blocks}")
+    graph.replace_parameter(param, new, by=by, placement=f"Shard({spec.dim}) of {spec.world}{blocks}")
     undo = install_state_dict_hooks(param.owner)
     if undo is not None:
         graph.on_undo(undo)

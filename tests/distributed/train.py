@@ -54,6 +54,7 @@ def main() -> None:
                         help="llama: bench's decoder, small (grouped-query attention, rotary, SwiGLU, fused k/v)")
     parser.add_argument("--tp-size", type=int, default=None, help="fsdp+tp: ranks per tensor-parallel group")
     parser.add_argument("--flex", action="store_true", help="also flex-attention (after distribute)")
+    parser.add_argument("--vary-batch", action="store_true", help="odd steps take half the batch (a recompile)")
     parser.add_argument("--eval-batch", type=int, default=0, help="then run eval at this batch size (a recompile)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -92,8 +93,9 @@ def main() -> None:
 
     losses, optimizer = [], None
     for step in range(args.steps):
-        logits = step_model(local(tokens[step]))
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), local(targets[step]).flatten())
+        size = tokens.shape[1] // 2 if args.vary_batch and step % 2 else tokens.shape[1]
+        logits = step_model(local(tokens[step][:size]))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), local(targets[step][:size]).flatten())
         if optimizer is None:  # after the first call: xform has replaced the parameters by then
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loss.backward()
@@ -132,6 +134,7 @@ def main() -> None:
             "changes": len(report.changes("distribute")) if report else 0,
             "skips": [[s.target, s.reason] for s in report.skips("distribute")] if report else [],
             "attention_changes": len(report.changes("flex-attention")) if report else 0,
+            "graphs": len(report.graphs) if report else 0,
             "eval_logits_sum": eval_logits,
         }))
     if dist.is_initialized():

@@ -155,7 +155,7 @@ def _fully_shard(graph: CapturedGraph, group: Any, record: TransformRecord, *, b
         if isinstance(param.tensor, ShardedParameter) and param.source not in cut_here:
             continue  # a retrace of a model sharded before: its graph already gathers it
         before_bytes, reader_value = param.tensor.nbytes, param.node.meta["example_value"]
-        spec = ShardSpec(0, param.tensor.shape[0], group.group_name, 1, "avg")
+        spec = ShardSpec(0, param.tensor.shape[0], group.group_name, world, dist.get_rank(group), 1, "avg")
         new = cut(param.tensor, spec)
         graph.replace_parameter(param, new, by=by, placement=f"Shard(0) of {world}")
         undo = install_state_dict_hooks(param.owner)
