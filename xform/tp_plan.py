@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from xform.fx_rewrite import example_value
@@ -214,9 +213,7 @@ class _Propagation:
         if rule is None and (name in _POINTWISE or name in _CASTS or node.target in _OPERATORS):
             rule = _pointwise
         if rule is None:
-            states = [s for s in ins.values()] or [self.plan.sharded[n] for n in _flat_nodes(node.args)
-                                                    if n in self.plan.sharded]
-            raise _Poison(frozenset().union(*(_origins(s) for s in states)),
+            raise _Poison(frozenset().union(*(_origins(s) for s in ins.values())),
                           f"{_describe(node)} is not an op tensor parallelism can carry a sharded activation "
                           f"through")
         return rule(self, node, ins)
