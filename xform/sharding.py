@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from xform.captured import CapturedGraph, GraphParameter
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -37,41 +39,42 @@ class ShardSpec:
     gradient: str = "avg"
 
 
-def _blocked(tensor: torch.Tensor, spec: ShardSpec, world: int) -> torch.Tensor:
+def _blocked(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """`tensor` (full or padded along spec.dim) viewed as (..., outer, world, chunk, ...)."""
     shape = list(tensor.shape)
-    chunk = shape[spec.dim] // (spec.outer * world)
-    return tensor.reshape(*shape[:spec.dim], spec.outer, world, chunk, *shape[spec.dim + 1:])
+    chunk = shape[spec.dim] // (spec.outer * spec.world)
+    return tensor.reshape(*shape[:spec.dim], spec.outer, spec.world, chunk, *shape[spec.dim + 1:])
 
 
-def padded_size(spec: ShardSpec, world: int) -> int:
+def _padded_size(spec: ShardSpec) -> int:
     """The cut dimension's size rounded up so that every rank's chunk is the same (only outer == 1 pads)."""
-    per_rank = -(-spec.size // (spec.outer * world))
-    return per_rank * spec.outer * world
+    per_rank = -(-spec.size // (spec.outer * spec.world))
+    return per_rank * spec.outer * spec.world
 
 
-def local_part(full: torch.Tensor, spec: ShardSpec, world: int, rank: int) -> torch.Tensor:
-    """This rank's chunk of every block of `full` along `spec.dim` (zero-padded if it does not divide)."""
-    size = padded_size(spec, world)
+def local_part(full: torch.Tensor, spec: ShardSpec, rank: int | None = None) -> torch.Tensor:
+    """Rank `rank`'s (default: this rank's) chunk of every block of `full` along `spec.dim`
+    (zero-padded if it does not divide)."""
+    size = _padded_size(spec)
     if size != full.shape[spec.dim]:
         pad = list(full.shape)
         pad[spec.dim] = size - full.shape[spec.dim]
         full = torch.cat([full, full.new_zeros(pad)], dim=spec.dim)
-    blocked = _blocked(full, spec, world).select(spec.dim + 1, rank)
+    blocked = _blocked(full, spec).select(spec.dim + 1, spec.rank if rank is None else rank)
     shape = list(full.shape)
-    shape[spec.dim] = size // world
+    shape[spec.dim] = size // spec.world
     return blocked.reshape(shape)
 
 
-def _all_gather(local: torch.Tensor, spec: ShardSpec, world: int) -> torch.Tensor:
+def _all_gather(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """The full tensor from every rank's `local`, as `local_part` cut it."""
     import torch.distributed._functional_collectives as funcol
 
     moved = local.movedim(spec.dim, 0).contiguous()
     gathered = funcol.all_gather_tensor(moved, 0, spec.group_name)  # (world * chunk * outer, ...) rank-major
     chunk = moved.shape[0] // spec.outer
-    blocks = gathered.reshape(world, spec.outer, chunk, *moved.shape[1:]).transpose(0, 1)
-    full = blocks.reshape(world * moved.shape[0], *moved.shape[1:]).movedim(0, spec.dim)
+    blocks = gathered.reshape(spec.world, spec.outer, chunk, *moved.shape[1:]).transpose(0, 1)
+    full = blocks.reshape(spec.world * moved.shape[0], *moved.shape[1:]).movedim(0, spec.dim)
     return full.narrow(spec.dim, 0, spec.size) if full.shape[spec.dim] != spec.size else full
 
 
@@ -81,16 +84,16 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         ctx.spec = spec
-        return _all_gather(local, spec, spec.world)
+        return _all_gather(local, spec)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         import torch.distributed._functional_collectives as funcol
 
-        spec, world = ctx.spec, ctx.spec.world
+        spec = ctx.spec
         if spec.gradient == "slice":
-            return local_part(grad, spec, world, spec.rank).contiguous(), None
-        rank_major = torch.cat([local_part(grad, spec, world, r).movedim(spec.dim, 0) for r in range(world)])
+            return local_part(grad, spec).contiguous(), None
+        rank_major = torch.cat([local_part(grad, spec, r).movedim(spec.dim, 0) for r in range(spec.world)])
         reduced = funcol.reduce_scatter_tensor(rank_major.contiguous(), "avg", 0, spec.group_name)
         return reduced.movedim(0, spec.dim), None
 
@@ -192,16 +195,28 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 def cut(param: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     """`param` (a full tensor, or one already cut) cut once more by `spec`, as a ShardedParameter."""
     with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-        local = local_part(param.detach(), spec, spec.world, spec.rank).clone()
+        local = local_part(param.detach(), spec).clone()
     shard = _as_sharded(local, shards_of(param) + (spec,))
     return nn.Parameter(shard, requires_grad=param.requires_grad)
+
+
+def cut_parameter(graph: CapturedGraph, param: GraphParameter, spec: ShardSpec, *, by: str) -> nn.Parameter:
+    """Make the model hold `param` cut by `spec` (the graph and its guards expecting the cut), with
+    state-dict hooks on its module that give and take the full tensor. Returns the new parameter."""
+    new = cut(param.tensor, spec)
+    blocks = f", {spec.outer} blocks" if spec.outer > 1 else ""
+    graph.replace_parameter(param, new, by=by, placement=f"Shard({spec.dim}) of {spec.world}{blocks}")
+    undo = install_state_dict_hooks(param.owner)
+    if undo is not None:
+        graph.on_undo(undo)
+    return new
 
 
 def recut(full: torch.Tensor, shards: tuple[ShardSpec, ...]) -> torch.Tensor:
     """`full` cut as `shards` say (to load a full state-dict entry into a sharded parameter)."""
     with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
         for spec in shards:
-            full = local_part(full, spec, spec.world, spec.rank)
+            full = local_part(full, spec)
         return full.clone()
 
 

@@ -83,7 +83,8 @@ def _dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _operand(node: fx.Node, slot: Slot) -> Any:
+def operand(node: fx.Node, slot: Slot) -> Any:
+    """The value at `slot` of a node's call (None where the call leaves it out)."""
     kind, key = slot
     if kind == "arg":
         return node.args[key] if key < len(node.args) else None
@@ -164,7 +165,7 @@ class _Propagation:
     def run(self) -> None:
         for node in self.graph.nodes:
             ins = {slot: self.plan.sharded[a] for slot in _tensor_slots(node)
-                   if (a := _operand(node, slot)) in self.plan.sharded}
+                   if (a := operand(node, slot)) in self.plan.sharded}
             if node.op == "output":
                 if _flat_nodes(node.args) & self.plan.sharded.keys():
                     origins = frozenset().union(*(_origins(self.plan.sharded[n]) for n in
@@ -223,7 +224,7 @@ class _Propagation:
         """A replicated operand of an op whose result is sharded as `out`: cut it too if it is full-size
         along the sharded dim; sum its gradient over the ranks if it has one. Returns `out`, with its
         layout decided if the cut needed one."""
-        value = _operand(node, slot)
+        value = operand(node, slot)
         shape = _shape(value)
         if shape is None:
             return out
@@ -254,7 +255,7 @@ class _Propagation:
         return Sharded(dims.pop(), outer, origins)
 
     def size_arg(self, node: fx.Node, slot: Slot, state: Sharded) -> None:
-        value = _operand(node, slot)
+        value = operand(node, slot)
         if isinstance(value, fx.Node):
             raise _Poison(state.origins, f"{_describe(node)} gives the sharded dimension's size as a traced value")
         if value != -1:
@@ -290,7 +291,7 @@ def _pointwise(p: _Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
     if any(slot not in data_slots for slot in ins):
         _single(ins, node)  # a cast whose dtype comes from a sharded tensor: refused there
     out_ndim = len(_shape(node))
-    aligned = [Sharded(s.dim + out_ndim - len(_shape(_operand(node, slot))), s.outer, s.origins)
+    aligned = [Sharded(s.dim + out_ndim - len(_shape(operand(node, slot))), s.outer, s.origins)
                for slot, s in ins.items()]
     out = p.merge(aligned, node)
     for slot in data_slots:
@@ -301,7 +302,7 @@ def _pointwise(p: _Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
 
 def _view(p: _Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
     state = _single(ins, node)
-    src, dst = _shape(_operand(node, ("arg", 0))), _shape(node)
+    src, dst = _shape(operand(node, ("arg", 0))), _shape(node)
     group = next((g for g in view_groups(src, dst) if state.dim in g[0]), None)
     if group is None or not group[1]:
         raise _Poison(state.origins, f"{_describe(node)} reshapes the sharded dimension away")
@@ -453,15 +454,15 @@ def _attention(p: _Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
     heads = ndim - 3
     if any(s is None or s.dim != heads for s in qkv):
         raise _Poison(origins, f"{_describe(node)}: attention needs query, key and value all sharded by heads")
-    gqa = _shape(_operand(node, slots["query"]))[heads] != _shape(_operand(node, slots["key"]))[heads]
+    gqa = _shape(operand(node, slots["query"]))[heads] != _shape(operand(node, slots["key"]))[heads]
     out = p.merge([p.concrete(s, node) if gqa else s for s in qkv], node)
     if gqa and out.outer != 1:
         raise _Poison(origins, f"{_describe(node)}: grouped-query attention needs whole heads per rank")
     if slots["attn_mask"] in ins:
         mask = ins[slots["attn_mask"]]
-        mask_ndim = len(_shape(_operand(node, slots["attn_mask"])))
+        mask_ndim = len(_shape(operand(node, slots["attn_mask"])))
         out = p.merge([out, Sharded(mask.dim + ndim - mask_ndim, mask.outer, mask.origins)], node)
-    elif _operand(node, slots["attn_mask"]) is not None:
+    elif operand(node, slots["attn_mask"]) is not None:
         out = p.replicated_operand(node, slots["attn_mask"], out, ndim)
     return out
 
@@ -470,7 +471,7 @@ def _matmul(p: _Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
     ndim = len(_shape(node))
     aligned = []
     for slot, state in ins.items():
-        rank = len(_shape(_operand(node, slot)))
+        rank = len(_shape(operand(node, slot)))
         if state.dim >= rank - 2:
             raise _Poison(state.origins, f"{_describe(node)} multiplies along the sharded dimension")
         aligned.append(Sharded(state.dim + ndim - rank, state.outer, state.origins))

@@ -23,8 +23,8 @@ from torch import fx
 from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import example_value, insert_call
 from xform.linear_layers import linear_operands
-from xform.sharding import ShardSpec, cut, install_state_dict_hooks, local_part
-from xform.tp_plan import Sharded, Slot, TensorParallelPlan
+from xform.sharding import ShardSpec, cut_parameter, local_part
+from xform.tp_plan import Sharded, Slot, TensorParallelPlan, operand
 
 
 class _SumGradient(torch.autograd.Function):
@@ -67,7 +67,7 @@ def sum_over_ranks(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
 
 def take_local(tensor: torch.Tensor, dim: int, outer: int, world: int, rank: int) -> torch.Tensor:
     """This rank's chunk of a replicated tensor along `dim` (as `xform.sharding.local_part`)."""
-    return local_part(tensor, ShardSpec(dim, tensor.shape[dim], "", world, rank, outer), world, rank)
+    return local_part(tensor, ShardSpec(dim, tensor.shape[dim], "", world, rank, outer))
 
 
 def apply_plan(graph: CapturedGraph, plan: TensorParallelPlan, group_name: str, rank: int, *,
@@ -94,7 +94,7 @@ def apply_plan(graph: CapturedGraph, plan: TensorParallelPlan, group_name: str, 
             _set_operand(reader, slot, summed)
     for (reader, slot), (dim, outer) in plan.narrow.items():
         with g.inserting_before(reader):
-            local = insert_call(g, "call_function", take_local, (_operand(reader, slot), dim, outer, plan.world, rank))
+            local = insert_call(g, "call_function", take_local, (operand(reader, slot), dim, outer, plan.world, rank))
         _set_operand(reader, slot, local)
     for node, slots in plan.size_args.items():
         _divide_sizes(node, slots, plan.world)
@@ -108,12 +108,8 @@ def apply_plan(graph: CapturedGraph, plan: TensorParallelPlan, group_name: str, 
 def _cut(graph: CapturedGraph, node: fx.Node, spec: ShardSpec, by: str, kind: str) -> tuple[str, str]:
     param = graph.parameter_for(node)
     before = tuple(param.tensor.shape)
-    new = cut(param.tensor, spec)
+    new = cut_parameter(graph, param, spec, by=by)
     blocks = f", {spec.outer} blocks" if spec.outer > 1 else ""
-    graph.replace_parameter(param, new, by=by, placement=f"Shard({spec.dim}) of {spec.world}{blocks}")
-    undo = install_state_dict_hooks(param.owner)
-    if undo is not None:
-        graph.on_undo(undo)
     return param.fqn, f"{kind}-parallel, {before} -> {tuple(new.shape)}{blocks}"
 
 
@@ -129,11 +125,6 @@ def _sum_then_bias(g: fx.Graph, linear: fx.Node, bias: fx.Node | None, group_nam
             out = insert_call(g, "call_function", operator.add, (out, bias))
     for user in users:
         user.replace_input_with(linear, out)
-
-
-def _operand(node: fx.Node, slot: Slot) -> Any:
-    kind, key = slot
-    return node.args[key] if kind == "arg" else node.kwargs[key]
 
 
 def _set_operand(node: fx.Node, slot: Slot, value: Any) -> None:

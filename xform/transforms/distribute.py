@@ -43,7 +43,7 @@ from xform.dynamo_frame import calling_module_path
 from xform.fx_rewrite import example_value
 from xform.registry import register_transform
 from xform.report import TransformRecord
-from xform.sharding import ShardedParameter, ShardSpec, cut, gather_cut, install_state_dict_hooks
+from xform.sharding import ShardedParameter, ShardSpec, cut_parameter, gather_cut
 from xform.tp_plan import plan_tensor_parallel
 from xform.tp_rewrite import apply_plan, linear_refusal, reduce_gradient
 from xform.transform import Transform, option_error
@@ -156,11 +156,7 @@ def _fully_shard(graph: CapturedGraph, group: Any, record: TransformRecord, *, b
             continue  # a retrace of a model sharded before: its graph already gathers it
         before_bytes, reader_value = param.tensor.nbytes, param.node.meta["example_value"]
         spec = ShardSpec(0, param.tensor.shape[0], group.group_name, world, dist.get_rank(group), 1, "avg")
-        new = cut(param.tensor, spec)
-        graph.replace_parameter(param, new, by=by, placement=f"Shard(0) of {world}")
-        undo = install_state_dict_hooks(param.owner)
-        if undo is not None:
-            graph.on_undo(undo)
+        new = cut_parameter(graph, param, spec, by=by)
         _route_through(graph, param, gather_cut, dataclasses.astuple(spec), value=reader_value)
         record.changed("parameter", param.fqn, f"{tuple(new.shape)} shard of {spec.size} rows, "
                                                f"{before_bytes} -> {new.nbytes} bytes")
