@@ -25,7 +25,8 @@ import xform.transforms.cudagraphs as cudagraphs
 from xform.capture_safety import find_breaks
 from xform.fxgraph import quotient_is_acyclic, to_digraph
 from xform.regions import plan_regions
-from xform.replay import Recorded
+from xform.graph_pointers import Span
+from xform.replay import MovablePointers, Recorded
 from xform.transforms import CudaGraphs
 
 
@@ -33,15 +34,40 @@ def _scribble(t: torch.Tensor) -> None:
     t.fill_(float("nan") if t.is_floating_point() else 7)
 
 
+def _at(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like `like` over the memory at `address` (a pointer word's view of it)."""
+    extent = like.untyped_storage().nbytes() - (like.data_ptr() - like.untyped_storage().data_ptr())
+    storage = torch._C._construct_storage_from_data_pointer(address, like.device, extent)
+    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape, like.stride())
+
+
+class SimulatedGraph:
+    """A recorded graph's pointer words, simulated: one node whose words are where its kernels read
+    the copied inputs and write the outputs. `hidden` outputs' words are kept from the scan (as a
+    pointer in device memory would be), so moving never reaches them."""
+
+    def __init__(self, static: list[torch.Tensor], outputs: list[torch.Tensor], hidden: bool) -> None:
+        self.node = [t.data_ptr() for t in static] + [o.data_ptr() for o in outputs]
+        self.visible = len(static) if hidden else len(self.node)
+
+    def words(self) -> list[list[int]]:
+        return [self.node[:self.visible]]
+
+    def set(self, values: dict[int, dict[int, int]]) -> None:
+        for word, value in values.get(0, {}).items():
+            self.node[word] = value
+
+
 class SimulatedRecorder:
     device_type = "cpu"
 
-    def __init__(self, fail: Exception | None = None) -> None:
+    def __init__(self, fail: Exception | None = None, hide_outputs: bool = False) -> None:
         self.fail = fail
+        self.hide_outputs = hide_outputs
         self.recorded = 0
         self.pool: list[torch.Tensor] = []  # every recording's input and output buffers
 
-    def record(self, run, inputs, copied):
+    def record(self, run, inputs, copied, movable=False):
         if self.fail is not None:
             raise self.fail
         self.recorded += 1
@@ -55,16 +81,29 @@ class SimulatedRecorder:
         own_inputs = [static[i] for i in copied]
         self.pool += own_inputs + mine
         written = {t.untyped_storage().data_ptr() for t in own_inputs}
+        graph = SimulatedGraph(own_inputs, mine, self.hide_outputs)
 
         def replay():
             for t in self.pool:
                 if t.untyped_storage().data_ptr() not in written:
                     _scribble(t)
-            for out, new in zip(mine, [o for o in run(static) if isinstance(o, torch.Tensor)
-                                       and o.untyped_storage().data_ptr() not in caller]):
-                out.copy_(new)
+            now = list(static)
+            for i, address in zip(copied, graph.node):
+                now[i] = _at(address, static[i])
+            produced = [o for o in run(now) if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller]
+            for out, address, new in zip(mine, graph.node[len(own_inputs):], produced):
+                _at(address, out).copy_(new)
 
-        return Recorded(replay, own_inputs, outputs)
+        recorded = Recorded(replay, own_inputs, outputs)
+        if movable:
+            spans = [Span(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in own_inputs]
+            for out in mine:
+                storage = out.untyped_storage()
+                if storage.data_ptr() not in recorded.output_spans and storage.data_ptr() not in written:
+                    recorded.output_spans[storage.data_ptr()] = len(spans)
+                    spans.append(Span(storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+            recorded.pointers = MovablePointers(graph, spans, replay)
+        return recorded
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is memory of the simulated pool."""
@@ -247,6 +286,52 @@ def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):
         model[0].weight.data = torch.randn(32, 8)  # a new address; Dynamo's guards do not see it
         torch.testing.assert_close(step(x), model(x))
     assert transform.functions[0].stats.recordings == 2
+
+
+def test_recordings_launch_with_their_pointers_moved_and_copy_nothing(recorder):
+    model, transform = mlp(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        out = step(x)
+        out.square().mean().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad)
+        assert not recorder.holds(out)
+    stats = [f.stats for f in transform.functions]
+    assert [(s.recordings, s.direct, s.direct_refused) for s in stats] == [(1, 1, None)] * 2
+    # the pool's input buffers keep the check's fill: no launch copied an input into them
+    pooled = [f._recordings[0].recorded.inputs for f in transform.functions]
+    assert all(t.isnan().all() or (t.view(torch.uint8) == 0x7F).all() for inputs in pooled for t in inputs
+               if t.is_floating_point())
+
+
+def test_an_input_off_the_compiled_alignment_is_copied_before_a_moved_launch(recorder):
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    with torch.no_grad():
+        for offset in (0, 0, 1, 0):  # a view one float into its storage: 4 bytes off 16
+            x = torch.randn(33)[offset:offset + 32].view(4, 8)
+            torch.testing.assert_close(step(x), model(x))
+    assert transform.functions[0].stats.direct == 1
+
+
+def test_a_pointer_the_scan_misses_is_caught_by_the_check_and_the_recording_copies(monkeypatch):
+    monkeypatch.setattr(cudagraphs, "available_recorder", lambda: SimulatedRecorder(hide_outputs=True))
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(step(x), model(x))
+    stats = transform.functions[0].stats
+    assert (stats.recordings, stats.direct, stats.replays) == (1, 0, 3)
+    assert stats.direct_refused == "a replay with its pointers moved did not agree with one copying"
+    assert "copies its inputs and outputs" in xform.report(model).describe("cudagraphs")
 
 
 def test_a_failed_recording_falls_back_and_strict_mode_raises(monkeypatch):
