@@ -76,13 +76,15 @@ def compiler(config: str, dynamic: bool | None = None) -> Callable[[torch.nn.Mod
     return lambda model: torch.compile(model, backend=xform.Backend(TRANSFORMS), dynamic=dynamic)
 
 
-def replay_stats() -> dict[str, int]:
+def replay_stats() -> dict[str, Any]:
     """Totals over xform's recorded functions: what was recorded, replayed and run uncaptured."""
     functions = [f for t in TRANSFORMS for f in t.functions]
     return {"functions": len(functions), "recordings": sum(f.stats.recordings for f in functions),
             "replays": sum(f.stats.replays for f in functions),
             "uncaptured_calls": sum(f.stats.uncaptured_calls for f in functions),
-            "fallbacks": sum(f.stats.fallback is not None for f in functions)}
+            "fallbacks": sum(f.stats.fallback is not None for f in functions),
+            "direct": sum(f.stats.direct for f in functions),  # recordings launched with moved pointers
+            "copying_because": sorted({f.stats.direct_refused for f in functions if f.stats.direct_refused})}
 
 
 def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int = 5) -> dict[str, Any]:

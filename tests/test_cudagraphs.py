@@ -419,6 +419,29 @@ def test_writing_into_an_argument_is_a_break_but_into_a_buffer_is_not(recorder):
     assert skip.reason.startswith("it writes in place into the graph input 'l_out_'")
 
 
+class Cache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, x):
+        self.cache.mul_(0.5).add_(x)  # a buffer written in place, as a KV cache is
+        return (self.cache * 2).sin().cos()
+
+
+def test_a_region_writing_its_inputs_in_place_is_never_replayed_twice_so_it_copies(recorder):
+    model, transform = Cache(), CudaGraphs(min_region_ops=1)
+    reference = Cache()
+    step = compiled(model, transform)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(step(x), reference(x))
+    torch.testing.assert_close(model.cache, reference.cache)  # written once per call: no check replay
+    stats = transform.functions[0].stats
+    assert (stats.recordings, stats.direct, stats.direct_refused) == (1, 0, None)
+
+
 GENERATOR = torch.Generator().manual_seed(0)
 
 

@@ -28,6 +28,7 @@ def test_inference_replays_and_matches_eager():
             torch.testing.assert_close(step(x), model(x), atol=1e-4, rtol=1e-4)
     (function,) = transform.functions
     assert function.stats.replays == 5 and function.stats.recordings == 1 and function.stats.fallback is None
+    assert function.stats.direct == 1, function.stats.direct_refused  # launched with its pointers moved
 
 
 def test_held_outputs_are_never_overwritten_and_are_all_that_replays_allocate():
@@ -77,6 +78,7 @@ def test_recordings_hold_no_memory_between_training_steps():
     stats = [f.stats for f in transform.functions]
     assert all(s.fallback is None and s.uncaptured_calls == 0 for s in stats)
     assert {s.name.split()[0] for s in stats if s.recordings} == {"forward", "backward"}
+    assert all(s.direct == s.recordings for s in stats), [s.direct_refused for s in stats]
     # what stays is cuBLAS's workspaces for the capture stream (one per thread: forward, backward),
     # nothing per recording
     left = torch.cuda.memory_allocated() - start
@@ -101,6 +103,32 @@ def test_training_step_records_forward_and_backward():
             torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)
     kinds = {f.stats.name.split()[0]: f.stats for f in transform.functions}
     assert kinds["forward"].replays == 3 and kinds["backward"].replays == 3
+
+
+def test_moved_pointers_through_attention_matmuls_and_norms_match_eager():
+    # cuBLAS, SDPA's flash kernel and Triton kernels: their pointer arguments found and moved
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True)
+    model, reference = layer.cuda().bfloat16(), None
+    reference = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True)
+    reference = reference.cuda().bfloat16()
+    reference.load_state_dict(model.state_dict())
+    transform = CudaGraphs()
+    step = torch.compile(model, backend=xform.Backend([transform]))
+    for _ in range(4):
+        x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        got = step(x)
+        got.float().square().mean().backward()
+        expected = reference(x)
+        expected.float().square().mean().backward()
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-2, rtol=5e-2)
+    stats = [f.stats for f in transform.functions if f.stats.recordings]
+    print({s.name: (s.recordings, s.direct, s.direct_refused) for s in stats})
+    assert stats and all(s.direct == s.recordings for s in stats), [s.direct_refused for s in stats]
 
 
 def test_a_host_read_inside_the_graph_splits_it_into_regions(request):
