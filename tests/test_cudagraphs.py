@@ -61,9 +61,10 @@ class SimulatedGraph:
 class SimulatedRecorder:
     device_type = "cpu"
 
-    def __init__(self, fail: Exception | None = None, hide_outputs: bool = False) -> None:
+    def __init__(self, fail: Exception | None = None, hide_outputs: bool = False, outputs: str = "exact") -> None:
         self.fail = fail
         self.hide_outputs = hide_outputs
+        self.outputs = outputs  # their spans: "exact", "grown" (from 512 bytes before), "kept" (copied out)
         self.recorded = 0
         self.pool: list[torch.Tensor] = []  # every recording's input and output buffers
 
@@ -77,8 +78,11 @@ class SimulatedRecorder:
         outputs = run(static)
         caller = {t.untyped_storage().data_ptr() for i, t in enumerate(inputs) if i not in copied
                   and isinstance(t, torch.Tensor)}
-        mine = [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller]
         own_inputs = [static[i] for i in copied]
+        if self.outputs == "grown":  # each output storage 512 bytes into a larger block of the pool
+            outputs = [self._rehomed(o, own_inputs + [o for o in inputs if isinstance(o, torch.Tensor)])
+                       for o in outputs]
+        mine = [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller]
         self.pool += own_inputs + mine
         written = {t.untyped_storage().data_ptr() for t in own_inputs}
         graph = SimulatedGraph(own_inputs, mine, self.hide_outputs)
@@ -99,11 +103,24 @@ class SimulatedRecorder:
             spans = [Span(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in own_inputs]
             for out in mine:
                 storage = out.untyped_storage()
-                if storage.data_ptr() not in recorded.output_spans and storage.data_ptr() not in written:
-                    recorded.output_spans[storage.data_ptr()] = len(spans)
-                    spans.append(Span(storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+                start = storage.data_ptr()
+                if start not in recorded.output_spans and start not in written and self.outputs != "kept":
+                    recorded.output_spans[start] = len(spans)
+                    spans.append(Span(start - (512 if self.outputs == "grown" else 0), start + storage.nbytes()))
             recorded.pointers = MovablePointers(graph, spans, replay)
         return recorded
+
+    def _rehomed(self, out, inputs):
+        """`out` copied 512 bytes into a block of its own (when it is not an input's view)."""
+        if not isinstance(out, torch.Tensor) or any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                                                      for t in inputs):
+            return out
+        block = torch.empty(out.untyped_storage().nbytes() + 512, dtype=torch.uint8)
+        self.pool.append(block)
+        storage = torch._C._construct_storage_from_data_pointer(block.data_ptr() + 512, out.device,
+                                                                 out.untyped_storage().nbytes())
+        moved = torch.empty(0, dtype=out.dtype).set_(storage, out.storage_offset(), out.shape, out.stride())
+        return moved.copy_(out)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is memory of the simulated pool."""
@@ -308,6 +325,29 @@ def test_recordings_launch_with_their_pointers_moved_and_copy_nothing(recorder):
     pooled = [f._recordings[0].recorded.inputs for f in transform.functions]
     assert all(t.isnan().all() or (t.view(torch.uint8) == 0x7F).all() for inputs in pooled for t in inputs
                if t.is_floating_point())
+
+
+@pytest.mark.parametrize("outputs", ["grown", "kept"])
+def test_outputs_in_a_grown_span_or_kept_in_the_pool_are_handed_out_right(monkeypatch, outputs):
+    sim = SimulatedRecorder(outputs=outputs)
+    monkeypatch.setattr(cudagraphs, "available_recorder", lambda: sim)
+    model, transform = mlp(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        out = step(x)
+        out.square().mean().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(out, model(x))
+        model(x).square().mean().backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad)
+        assert not sim.holds(out)
+    stats = [f.stats for f in transform.functions]
+    assert all(s.direct == 1 for s in stats)
+    assert (sum(s.outputs_copied for s in stats) > 0) == (outputs == "kept")
 
 
 def test_an_input_off_the_compiled_alignment_is_copied_before_a_moved_launch(recorder):

@@ -69,6 +69,18 @@ def overlapping(allocations: Sequence[Span], span: Span) -> list[Span]:
             and not (span.start <= a.start and a.end <= span.end)]
 
 
+def widened(allocations: Sequence[Span], span: Span, slack: int) -> Span | None:
+    """`span` grown over every allocation that overlaps it in part (and those overlapping the
+    growth), so that all of them move together; None when that grows it by more than `slack`
+    bytes (the fresh storage handed out would hold that much unused memory)."""
+    grown = span
+    while parts := overlapping(allocations, grown):
+        grown = Span(min(grown.start, *(a.start for a in parts)), max(grown.end, *(a.end for a in parts)))
+        if (grown.end - grown.start) - (span.end - span.start) > slack:
+            return None
+    return grown
+
+
 def moved_values(pointers: Sequence[Pointer], new_starts: Sequence[int], spans: Sequence[Span]) -> dict[int, dict[int, int]]:
     """Per node, per word: the word's value once span i starts at new_starts[i]."""
     moved: dict[int, dict[int, int]] = {}
@@ -126,19 +138,24 @@ def _check(name: str, *args: object) -> None:
 
 
 class _Kernel:
-    """A kernel node: its parameters copied into buffers this object owns, and their words."""
+    """A kernel node: its arguments copied into buffers this object owns, and their words. A
+    kernel takes them either one pointer per parameter (`kernelParams`, sized through
+    cuFuncGetParamInfo) or as one packed buffer (`extra`, as some launchers pass them)."""
 
     def __init__(self, node: ctypes.c_void_p) -> None:
         self.node = node
         self.params = _KernelParams()
         _check("cuGraphKernelNodeGetParams_v2", node, ctypes.byref(self.params))
-        if not self.params.kernel_params:
-            raise DriverError("a kernel node passes its arguments as one packed buffer ('extra'), which xform does not read")
-        sizes = self._param_sizes()
-        self.buffers = [ctypes.create_string_buffer(ctypes.string_at(self.params.kernel_params[i], size), size)
-                        for i, size in enumerate(sizes)]
-        self.array = (ctypes.c_void_p * max(1, len(sizes)))(*[ctypes.addressof(b) for b in self.buffers])
-        self.params.kernel_params = ctypes.cast(self.array, ctypes.POINTER(ctypes.c_void_p))
+        if self.params.kernel_params:
+            sizes = self._param_sizes()
+            self.buffers = [ctypes.create_string_buffer(ctypes.string_at(self.params.kernel_params[i], size), size)
+                            for i, size in enumerate(sizes)]
+            self.array = (ctypes.c_void_p * max(1, len(sizes)))(*[ctypes.addressof(b) for b in self.buffers])
+            self.params.kernel_params = ctypes.cast(self.array, ctypes.POINTER(ctypes.c_void_p))
+        elif self.params.extra:
+            sizes = [self._packed()]
+        else:
+            sizes = []
         self.slots = [(i, offset) for i, size in enumerate(sizes) for offset in range(0, size - 7, 8)]
 
     def _param_sizes(self) -> list[int]:
@@ -150,6 +167,23 @@ class _Kernel:
                     ctypes.byref(size)) == 0:
             sizes.append(size.value)
         return sizes
+
+    def _packed(self) -> int:
+        """Copy the `extra` buffer (key/value pairs: 1 its address, 2 the address of its size, 0
+        the end) into one this node owns; its size."""
+        pairs = ctypes.cast(self.params.extra, ctypes.POINTER(ctypes.c_void_p))
+        found: dict[int, int] = {}
+        i = 0
+        while pairs[i]:
+            found[pairs[i]] = pairs[i + 1]
+            i += 2
+        if set(found) != {1, 2}:
+            raise DriverError(f"a kernel node's packed arguments hold keys {sorted(found)}, xform reads 1 and 2")
+        self.size = ctypes.c_size_t(ctypes.c_size_t.from_address(found[2]).value)
+        self.buffers = [ctypes.create_string_buffer(ctypes.string_at(found[1], self.size.value), self.size.value)]
+        self.array = (ctypes.c_void_p * 5)(1, ctypes.addressof(self.buffers[0]), 2, ctypes.addressof(self.size), 0)
+        self.params.extra = ctypes.cast(self.array, ctypes.c_void_p)
+        return self.size.value
 
     def words(self) -> list[int]:
         return [struct.unpack_from("<Q", self.buffers[i], offset)[0] for i, offset in self.slots]

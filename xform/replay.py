@@ -33,7 +33,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from xform.faults import strict
-from xform.graph_pointers import DriverError, DriverGraph, Pointer, Span, find_pointers, moved_values, overlapping
+from xform.graph_pointers import (DriverError, DriverGraph, Pointer, Span, find_pointers, moved_values, overlapping,
+                                  widened)
 from xform.log import logger
 
 
@@ -175,8 +176,10 @@ class CudaGraphRecorder:
     def _find_pointers(graph: torch.cuda.CUDAGraph, recorded: Recorded, static: list[torch.Tensor],
                        outputs: list[Any], traced: _AllocationTrace) -> None:
         """Fill `recorded.pointers`: the spans of the copied inputs (alive through the capture)
-        and of the output storages allocated during it, where no other allocation of the capture
-        overlaps them only in part (memory the allocator split differently would move wrongly)."""
+        and of the output storages allocated during it, each grown over the other allocations of
+        the capture that overlap it in part (memory the allocator split differently would move
+        wrongly otherwise); an output whose span would grow by much more stays in the pool and
+        is copied out."""
         if traced.allocations is None:
             recorded.why_fixed = traced.why_not
             return
@@ -187,11 +190,11 @@ class CudaGraphRecorder:
                 continue
             if start not in blocks or any(start == span.start for span in spans):
                 continue  # not allocated by the graph (module state, a constant): it does not move
-            span = Span(start, max(blocks[start].end, start + out.untyped_storage().nbytes()))
-            if overlapping(traced.allocations, span):
-                recorded.why_fixed = (f"an output's memory ({span.end - span.start} bytes) was also part of another "
-                                      f"allocation during the recording")
-                return
+            nbytes = out.untyped_storage().nbytes()
+            span = widened(traced.allocations, Span(start, max(blocks[start].end, start + nbytes)),
+                           slack=max(nbytes // 4, 1 << 20))
+            if span is None or overlapping(spans, span) or any(span.start <= s.start < span.end for s in spans):
+                continue  # this output is copied out of the pool after each launch
             recorded.output_spans[start] = len(spans)
             spans.append(span)
         try:
@@ -253,6 +256,7 @@ class ReplayStats:
     fallback: str | None = None  # why the region runs uncaptured for good
     direct: int = 0  # recordings launched with their pointers moved (no copies)
     direct_refused: str | None = None  # why a recording copies instead, the first time one does
+    outputs_copied: int = 0  # output storages of those recordings still copied out of the pool
     events: list[str] = field(default_factory=list)
 
 
@@ -311,16 +315,28 @@ class _Recording:
         shared = {g for g in first if sum(s.group == g for s in specs) > 1}
         self.whole = [g not in shared and _is_whole(first[g]) for g in range(groups)]
         self.sources = [first[g] if self.whole[g] else _bytes_of(first[g].untyped_storage()) for g in range(groups)]
+        # per output storage, the span it moves with (None: copied out), and where in it it starts
         self.group_spans = [recorded.output_spans.get(first[g].untyped_storage().data_ptr()) for g in range(groups)]
+        spans = recorded.pointers.spans if recorded.pointers is not None else []
+        self.group_offsets = [0 if span is None else first[g].untyped_storage().data_ptr() - spans[span].start
+                              for g, span in enumerate(self.group_spans)]
         self.direct = False
 
     def why_not_direct(self) -> str | None:
         """Why this recording's pointers cannot move, or None when they can (still to be checked)."""
         if self.recorded.pointers is None:
             return self.recorded.why_fixed or "the recorder cannot move a graph's pointers"
-        if None in self.group_spans:
-            return "an output's storage was not allocated by the graph"
         return None
+
+    def output(self, spec: _OutputSpec, storage: torch.Tensor) -> torch.Tensor:
+        """Output `spec` from what a launch returned for its storage: that tensor itself when
+        copied out whole, else a view of the storage's bytes (which may start inside a larger
+        moved span)."""
+        assert spec.group is not None
+        if self.whole[spec.group] and not (self.direct and self.group_spans[spec.group] is not None):
+            return storage
+        dtype, size, stride, offset = spec.view
+        return _view_of(storage.untyped_storage(), (dtype, size, stride, offset + storage.storage_offset() // dtype.itemsize))
 
     def matches(self, args: list[Any], in_place_idxs: list[int]) -> bool:
         """Whether `args` have this recording's signature: same in-place addresses, same metadata."""
@@ -360,11 +376,17 @@ class _Recording:
                 held.append(given.copy_(args[i]))
             starts[j] = given.data_ptr()
         fresh = []
-        for source, span in zip(self.sources, self.group_spans):
+        for source, span, offset in zip(self.sources, self.group_spans, self.group_offsets):
+            if span is None:  # stays in the pool: copied out after the launch
+                fresh.append(torch.empty_like(source))
+                continue
             out = torch.empty(sizes[span], dtype=torch.uint8, device=source.device)
-            fresh.append(out if fill is None else out.fill_(fill))
             starts[span] = out.data_ptr()
+            fresh.append((out if fill is None else out.fill_(fill))[offset:])
         pointers.launch(starts)
+        copied = [g for g, span in enumerate(self.group_spans) if span is None]
+        if copied:
+            torch._foreach_copy_([fresh[g] for g in copied], [self.sources[g] for g in copied])
         return fresh
 
     def poison_inputs(self) -> None:
@@ -495,9 +517,7 @@ class GraphedFunction:
         results = []
         for spec in self._specs:
             if spec.group is not None:
-                copy = fresh[spec.group]
-                whole = recording.whole[spec.group] and not recording.direct
-                results.append(copy if whole else _view_of(copy.untyped_storage(), spec.view))
+                results.append(recording.output(spec, fresh[spec.group]))
             elif spec.alias_of is not None:
                 results.append(_view_of(args[spec.alias_of].untyped_storage(), spec.view))
             else:
@@ -564,11 +584,13 @@ class GraphedFunction:
             except DriverError as error:
                 why = f"moving its pointers failed: {error}"
             else:
-                got = _checksums([_view_of(fresh[spec.group].untyped_storage(), spec.view) for _, spec in groups])
+                recording.direct = True  # as a moved launch hands its outputs out
+                got = _checksums([recording.output(spec, fresh[spec.group]) for _, spec in groups])
                 if _agree(reference, got, counts):
-                    recording.direct = True
                     self.stats.direct += 1
+                    self.stats.outputs_copied += recording.group_spans.count(None)
                     return True
+                recording.direct = False
                 why = "a replay with its pointers moved did not agree with one copying"
             try:
                 recording.recorded.pointers.reset()
