@@ -1,21 +1,30 @@
 """Record a compiled region function as CUDA graphs and replay them, safely, from one memory pool.
 
 Memory: every graph xform records on a device shares one pool, and no pool memory is live between
-replays. A replay copies the inputs it cannot read in place into the pool, runs the graph, and
-copies the graph's outputs out of the pool into fresh ordinary allocations (one `_foreach_copy_`
-each way). A recording keeps addresses in the pool, not allocations: the pool is as large as the
-largest graph needs, not the sum over graphs, graphs may replay in any order, and every replay's
-outputs are the caller's own tensors, which no later replay overwrites, so one recording per
-signature serves callers that hold outputs (a backward's gradients, a list of logits). The cost:
-each output is written twice (by the graph, then by the copy), and the inputs other than module
-state are copied in. A graph cannot read the previous graph's output where that graph left it,
-since the next graph's intermediates may overwrite it in the pool; avoiding that copy would need
-the lifetimes of outputs planned across graphs (as CUDA Graph Trees do, at the price of private
-memory per path).
+replays: the pool is as large as the largest graph needs, not the sum over graphs, and graphs may
+replay in any order. A launch hands its outputs out in fresh ordinary allocations, the caller's own
+tensors, which no later replay overwrites, so one recording per signature serves callers that hold
+outputs (a backward's gradients, a list of logits). Two ways to launch:
+
+- moved pointers (where the check below passes): before each launch the graph's arguments that
+  point into its copied inputs and its outputs are rewritten (`xform.graph_pointers`) to the
+  caller's inputs where they are and to freshly allocated output storages. Nothing is copied
+  either way, and the pool holds only the graphs' intermediates: a backward reads the forward's
+  saved tensors where the forward wrote them, as CUDA Graph Trees do, without keeping them in a
+  pool. The spans that move are known from the allocator's history during the capture; an
+  output whose memory the capture also gave, in part, to another allocation grows its span over
+  it (a little), or, when that would cost much, is copied out as below. Only regions that write
+  none of their inputs in place take part, since the check replays the graph twice; the check
+  fills the pool's input buffers and the fresh outputs with values no run gives and compares
+  with a copying replay, so a pointer the scan cannot see (in device memory, an encoded
+  descriptor) keeps the recording copying, with the reason in the report.
+- copying (otherwise): the inputs other than module state are copied into the pool, and the
+  outputs out of it after the replay (one `_foreach_copy_` each way); each output is written
+  twice, and the pool also holds the largest graph's outputs and copied inputs.
 
 Inputs: parameters and buffers have stable addresses and are read in place; the other inputs are
-copied in. A replay first checks its signature: the addresses of the in-place inputs and the
-sizes, strides and dtypes of the copied ones (and the values of numbers). A new signature records
+moved to or copied in. A replay first checks its signature: the addresses of the in-place inputs and the
+sizes, strides and dtypes of the others (and the values of numbers). A new signature records
 a new graph: one compiled function may serve many signatures (Dynamo compiles a layer's code once
 for all the layers, each with its own parameters), up to `max_signatures`, beyond which calls run
 the compiled function uncaptured. A recording that fails leaves the region uncaptured for good;
