@@ -85,6 +85,7 @@ def replay_stats() -> dict[str, Any]:
             "fallbacks": sum(f.stats.fallback is not None for f in functions),
             "direct": sum(f.stats.direct for f in functions),  # recordings launched with moved pointers
             "outputs_copied": sum(f.stats.outputs_copied for f in functions),  # of those, storages still copied
+            "nodes_rewritten": sum(f.stats.nodes_rewritten for f in functions),  # before launches, all replays
             "copying_because": sorted({f.stats.direct_refused for f in functions if f.stats.direct_refused})}
 
 

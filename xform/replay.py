@@ -77,15 +77,18 @@ class MovablePointers:
         for pointer in find_pointers(graph.words(), spans):
             self._by_span[pointer.span].append(pointer)
         self._starts = [span.start for span in spans]
+        self.last_rewritten = 0  # nodes the last move rewrote
 
     def sizes(self) -> list[int]:
         return [span.end - span.start for span in self.spans]
 
     def move(self, starts: Sequence[int]) -> None:
         changed = [i for i, start in enumerate(starts) if start != self._starts[i]]
+        self.last_rewritten = 0
         if changed:
-            moved = [p for i in changed for p in self._by_span[i]]
-            self._graph.set(moved_values(moved, starts, self.spans))
+            values = moved_values([p for i in changed for p in self._by_span[i]], starts, self.spans)
+            self._graph.set(values)
+            self.last_rewritten = len(values)
             for i in changed:
                 self._starts[i] = starts[i]
 
@@ -266,6 +269,7 @@ class ReplayStats:
     direct: int = 0  # recordings launched with their pointers moved (no copies)
     direct_refused: str | None = None  # why a recording copies instead, the first time one does
     outputs_copied: int = 0  # output storages of those recordings still copied out of the pool
+    nodes_rewritten: int = 0  # graph nodes whose pointers were rewritten before a launch, over all replays
     events: list[str] = field(default_factory=list)
 
 
@@ -465,6 +469,8 @@ class GraphedFunction:
                 return self._call(args)
         fresh = recording.run(args)
         self.stats.replays += 1
+        if recording.direct:
+            self.stats.nodes_rewritten += recording.recorded.pointers.last_rewritten
         return self._outputs(recording, fresh, args)
 
     # --- running ---------------------------------------------------------------------------
