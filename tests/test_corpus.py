@@ -1,6 +1,6 @@
 """Randomized corpus: seeded small models (tests/corpus.py) compiled with every transform that runs
 on CPU and every pair of them. XFORM_CORPUS_MODELS=5000 runs a longer sweep and
-XFORM_CORPUS_FIRST=N starts it at seed N (CI: 40 models x 7 sets = 280 cases).
+XFORM_CORPUS_FIRST=N starts it at seed N (CI: 30 models x 11 sets = 330 cases).
 
 Two checks per case. (1) The compiled model against the same model run eagerly *after* the
 transforms changed it (cast and quantize keep the eager meaning of what they did): outputs and
@@ -17,10 +17,12 @@ import pytest
 import torch
 
 import xform
+import xform.transforms.cudagraphs as cudagraphs
 from corpus import random_model
+from test_cudagraphs import SimulatedRecorder
 
 FIRST = int(os.environ.get("XFORM_CORPUS_FIRST", "0"))
-MODELS = int(os.environ.get("XFORM_CORPUS_MODELS", "40"))
+MODELS = int(os.environ.get("XFORM_CORPUS_MODELS", "30"))
 
 # transform set -> (specs, minimum output SQNR (dB) against the fp32 model (None: must match it to
 # float32 rounding), tolerance of compiled against eager). Compiled and eager run the same ops, so
@@ -35,6 +37,12 @@ SETS = {
     "cast+flex-attention": (["cast:bf16", "flex-attention"], 22.0, BF16_ULP),
     "quantize+flex-attention": (["quantize:float8-rowwise", "flex-attention"], 12.0, FLOAT8_ULP),
     "quantize+cast": (["quantize:float8-rowwise", "cast:bf16"], 12.0, FLOAT32),
+    # cudagraphs records on the simulated recorder (the CPU as the recorded device, its pool
+    # scribbled over before every replay), launches moving pointers where its check allows
+    "cudagraphs": (["cudagraphs"], None, FLOAT32),
+    "cudagraphs+cast": (["cudagraphs", "cast:bf16"], 22.0, FLOAT32),
+    "cudagraphs+quantize": (["cudagraphs", "quantize:float8-rowwise"], 12.0, FLOAT32),
+    "cudagraphs+flex-attention": (["cudagraphs", "flex-attention"], None, FLOAT32),
 }
 
 
@@ -63,7 +71,8 @@ def mismatches(expected, actual, tolerance: float) -> list[str]:
 
 
 @pytest.mark.parametrize("seed", range(FIRST, FIRST + MODELS))
-def test_random_model_with_every_transform_set(seed):
+def test_random_model_with_every_transform_set(seed, monkeypatch):
+    monkeypatch.setattr(cudagraphs, "available_recorder", SimulatedRecorder)
     model, x = random_model(seed)
     original = copy.deepcopy(model)
     reference_out = original(x).detach().float()
@@ -71,7 +80,10 @@ def test_random_model_with_every_transform_set(seed):
     for set_name, (transforms, min_db, tolerance) in SETS.items():
         torch._dynamo.reset()
         candidate = copy.deepcopy(model)
-        compiled = step(xform.compile(candidate, *transforms, handoff="eager"), candidate, x)
+        forward = xform.compile(candidate, *transforms, handoff="eager")
+        for _ in range(2 if "cudagraphs" in transforms else 0):  # warm-up, then the recording's call
+            step(forward, candidate, x)
+        compiled = step(forward, candidate, x)  # with cudagraphs: a replay
         eager = step(candidate, candidate, x)  # the model as the transforms left it, run eagerly
         problems += [f"{set_name}: compiled vs eager {m}" for m in mismatches(eager, compiled, tolerance)]
         db = sqnr(reference_out, compiled[0])
