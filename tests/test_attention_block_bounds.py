@@ -189,7 +189,7 @@ def test_the_cpu_kernel_reads_the_block_mask(monkeypatch):
     """Not vacuous: with every block marked full (the mask_mod skipped), the output is wrong."""
     from xform.transforms import attention
 
-    def all_full(masks, buffers, sizes, mask_mod):
+    def all_full(masks, buffers, sizes, device, mask_mod):
         from torch.nn.attention.flex_attention import create_block_mask
 
         return create_block_mask(lambda b, h, q, kv: q >= 0, *sizes, device="cpu")

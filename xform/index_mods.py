@@ -334,7 +334,7 @@ class _Range:
 
 
 def block_bounds(program: IndexProgram, buffers: tuple[torch.Tensor, ...], sizes: tuple[int, int, int, int],
-                 block: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(all, any) of a boolean program on each (b, h, q-block, kv-block) of `block` x `block`
     positions, as bool tensors that broadcast to [B, H, ceil(Q / block), ceil(KV / block)]: `all`
     only where the program holds at every position of the block, `any` wherever it may hold at one.
@@ -347,7 +347,7 @@ def block_bounds(program: IndexProgram, buffers: tuple[torch.Tensor, ...], sizes
     NotBounded for an op it has no rule for, and for float tensors (a NaN would defeat min/max).
     Integer overflow is not modelled: values are assumed to stay well inside their dtype.
     """
-    truth = _as_truth(_BlockEvaluator(sizes, block, buffers).run(program))
+    truth = _as_truth(_BlockEvaluator(sizes, block, buffers, device).run(program))
     return truth.all, truth.any
 
 
@@ -420,9 +420,9 @@ def _dtype_of(value: _Truth | _Range) -> torch.dtype:
 class _BlockEvaluator:
     """Runs an IndexProgram on blocks instead of positions (see `block_bounds`)."""
 
-    def __init__(self, sizes: tuple[int, int, int, int], block: int, buffers: tuple[torch.Tensor, ...]) -> None:
-        self.sizes, self.block, self.buffers = sizes, block, buffers
-        self.device = buffers[0].device if buffers else torch.device("cpu")
+    def __init__(self, sizes: tuple[int, int, int, int], block: int, buffers: tuple[torch.Tensor, ...],
+                 device: torch.device) -> None:
+        self.sizes, self.block, self.buffers, self.device = sizes, block, buffers, device
 
     def run(self, program: IndexProgram) -> _Truth | _Range:
         values: list[Any] = []

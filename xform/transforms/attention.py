@@ -13,7 +13,9 @@ What it changes, per graph (the model and its guards are untouched):
   per position;
 - a mask that depends on positions only gets its BlockMask built once, at compile time, for the
   graph's shapes (its tensors become constant inputs of the compiled graph); one that reads data
-  (document ids) gets it built inside the graph, from that data, on every call.
+  (document ids) gets it built inside the graph, from that data, on every call: from per-block
+  bounds of that data (`BlockMaskBuild`), or at every position where the bounds cannot go;
+  attentions with the same masks of the same tensors share one block mask.
 
 Backend: "flash" (FlashAttention-4 through CuTeDSL) where it is importable, the GPU is SM90+,
 q/k/v are fp16/bf16 with a head dim of 8..256, and no tensor the mods read needs a gradient;
@@ -388,7 +390,7 @@ class BlockMaskBuild:
 
         mask_mod = lambda b, h, qi, ki: _all_allowed(self.masks, b, h, qi, ki, *buffers)  # noqa: E731
         if self.fallback is None:
-            return _bounded_block_mask(self.masks, buffers, self.sizes, mask_mod)
+            return _bounded_block_mask(self.masks, buffers, self.sizes, self.device, mask_mod)
         return create_block_mask(mask_mod, *self.sizes, device=self.device)
 
     def __call__(self, *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -401,15 +403,17 @@ class BlockMaskBuild:
         return f"built per call from the data it reads, at every position ({self.fallback})"
 
 
-def _bounded_block_mask(masks: list[Term], buffers: tuple, sizes: tuple[int | None, ...], mask_mod: Any) -> Any:
+def _bounded_block_mask(masks: list[Term], buffers: tuple, sizes: tuple[int | None, ...], device: torch.device,
+                        mask_mod: Any) -> Any:
     """The BlockMask create_block_mask would build, but from per-block bounds: a block is full only
     where every mask holds on all of it, and left out only where one holds nowhere on it."""
     from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
 
     batch, heads, q_len, kv_len = (s or 1 for s in sizes)
-    full = some = torch.ones((), dtype=torch.bool, device=buffers[0].device if buffers else None)
+    full = some = torch.ones((), dtype=torch.bool, device=device)
     for term, own in _split(masks, buffers):
-        holds, may_hold = block_bounds(term.program or causal_program(), own, (batch, heads, q_len, kv_len), BLOCK)
+        holds, may_hold = block_bounds(term.program or causal_program(), own, (batch, heads, q_len, kv_len), BLOCK,
+                                       device)
         if term.negate:
             holds, may_hold = ~may_hold, ~holds
         full, some = full & holds, some & may_hold
