@@ -174,10 +174,18 @@ def test_static_block_masks_are_built_once_and_data_masks_per_call(monkeypatch):
     for _ in range(3):
         static(q, k, v, extra)
     assert len(built) == after_compile == 1  # at compile time only
+    builds = []
+    from xform.transforms.attention import BlockMaskBuild
+
+    call = BlockMaskBuild.__call__
+    monkeypatch.setattr(BlockMaskBuild, "__call__", lambda self, *a: builds.append(1) or call(self, *a))
+    data(q, k, v, extra)  # compiles (one build on fake tensors) and runs
+    builds.clear()
     data(q, k, v, extra)
     data(q, k, v, extra)
-    assert len(built) == after_compile + 2  # the document mask reads the ids of each call
-    assert changes(hand_document)[0].endswith("block mask built per call from the data it reads)")
+    assert len(builds) == 2  # the document mask reads the ids of each call
+    assert len(built) == after_compile  # from per-block bounds: create_block_mask is not called
+    assert changes(hand_document)[0].endswith("block mask built per call from per-block bounds of the data it reads)")
 
 
 def test_a_transformer_block_gets_flex_attention():

@@ -13,7 +13,9 @@ What it changes, per graph (the model and its guards are untouched):
   per position;
 - a mask that depends on positions only gets its BlockMask built once, at compile time, for the
   graph's shapes (its tensors become constant inputs of the compiled graph); one that reads data
-  (document ids) gets it built inside the graph, from that data, on every call.
+  (document ids) gets it built inside the graph, from that data, on every call: from per-block
+  bounds of that data (`BlockMaskBuild`), or at every position where the bounds cannot go;
+  attentions with the same masks of the same tensors share one block mask.
 
 Backend: "flash" (FlashAttention-4 through CuTeDSL) where it is importable, the GPU is SM90+,
 q/k/v are fp16/bf16 with a head dim of 8..256, and no tensor the mods read needs a gradient;
@@ -28,6 +30,7 @@ scale, a bias or a mask.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass, field
@@ -36,15 +39,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from xform.captured import CapturedGraph
-from xform.fx_rewrite import example_value, remove_unused
-from xform.index_mods import IndexProgram, NotElementwise, dense_program, index_program
+from xform.fx_rewrite import example_value, insert_call, remove_unused
+from xform.index_mods import (IndexProgram, NotBounded, NotElementwise, block_bounds, causal_program, dense_program,
+                              index_program)
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.transform import Transform, option_error
 
 BACKENDS = ("auto", "flash", "triton")
+BLOCK = 128  # flex's default block size, that of create_block_mask
 MASKED = -1e4  # a masked_fill value at or below this is a mask, not a bias
 
 
@@ -363,6 +369,71 @@ def _split(terms: list[Term], buffers: tuple) -> list[tuple[Term, tuple]]:
 
 # -- the flex_attention call -------------------------------------------------------------------
 
+class BlockMaskBuild:
+    """Graph call target: the BlockMask of a site's masks, from the tensors they read, as the tuple of
+    its tensors (so that several attentions of a graph can share one build).
+
+    Two ways: by per-block bounds (`xform.index_mods.block_bounds`: the min and max of each tensor
+    over each block of 128 positions, the aranges' ends), which costs about the tensors' size; or,
+    for masks those bounds cannot take (`fallback` says why), `create_block_mask`, which evaluates
+    the masks at all B*H*Q*KV positions. Either way flex still applies the mask_mod inside every
+    block not marked full, so a block marked partial that is in fact full or empty is only slower.
+    """
+
+    def __init__(self, masks: list[Term], sizes: tuple[int | None, ...], device: torch.device) -> None:
+        self.masks, self.sizes, self.device = masks, sizes, device
+        self.fallback: str | None = None
+        self.__name__ = "flex_block_mask"
+
+    def block_mask(self, *buffers: torch.Tensor) -> Any:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mask_mod = lambda b, h, qi, ki: _all_allowed(self.masks, b, h, qi, ki, *buffers)  # noqa: E731
+        if self.fallback is None:
+            return _bounded_block_mask(self.masks, buffers, self.sizes, self.device, mask_mod)
+        return create_block_mask(mask_mod, *self.sizes, device=self.device)
+
+    def __call__(self, *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x for x in self.block_mask(*buffers).as_tuple() if isinstance(x, torch.Tensor))
+
+    @property
+    def how(self) -> str:
+        if self.fallback is None:
+            return "built per call from per-block bounds of the data it reads"
+        return f"built per call from the data it reads, at every position ({self.fallback})"
+
+
+def _bounded_block_mask(masks: list[Term], buffers: tuple, sizes: tuple[int | None, ...], device: torch.device,
+                        mask_mod: Any) -> Any:
+    """The BlockMask create_block_mask would build, but from per-block bounds: a block is full only
+    where every mask holds on all of it, and left out only where one holds nowhere on it."""
+    from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
+
+    batch, heads, q_len, kv_len = (s or 1 for s in sizes)
+    full = some = torch.ones((), dtype=torch.bool, device=device)
+    for term, own in _split(masks, buffers):
+        holds, may_hold = block_bounds(term.program or causal_program(), own, (batch, heads, q_len, kv_len), BLOCK,
+                                       device)
+        if term.negate:
+            holds, may_hold = ~may_hold, ~holds
+        full, some = full & holds, some & may_hold
+    q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
+    whole_q = torch.arange(q_blocks, device=full.device) < q_len // BLOCK  # a block running past the end is never
+    whole_kv = torch.arange(kv_blocks, device=full.device) < kv_len // BLOCK  # full, as in create_block_mask
+    full = (full & whole_q[:, None] & whole_kv[None, :]).expand(batch, heads, q_blocks, kv_blocks)
+    partial = some.expand(batch, heads, q_blocks, kv_blocks) & ~full
+    return _create_sparse_block_from_block_mask((partial.to(torch.int8), full.to(torch.int8)), mask_mod,
+                                                (q_len, kv_len), BLOCK, BLOCK)
+
+
+_TENSOR = object()  # a BlockMask tuple's slot that the graph passes in
+
+
+def _template(block_mask: Any) -> tuple:
+    """A BlockMask's tuple with its tensors left as slots (and no mask_mod: each call brings its own)."""
+    return tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in block_mask.as_tuple()[:-1]) + (None,)
+
+
 class FlexCall:
     """Graph call target: `flex_attention(q, k, v)` with the site's mods, block mask and kernel options.
 
@@ -371,21 +442,16 @@ class FlexCall:
     frontend would try to compile itself, which it cannot from inside a compile).
     """
 
-    def __init__(self, site: AttentionSite, block_mask: Any, sizes: tuple[int | None, ...],
-                 kernel_options: dict[str, Any]) -> None:
+    def __init__(self, site: AttentionSite, block_template: tuple, kernel_options: dict[str, Any]) -> None:
         self.masks, self.biases, self.scale = site.masks, site.biases, site.scale
         self.kernel_options = kernel_options
-        self.sizes = sizes  # (B or None, H or None, Q, KV) of a block mask built per call
-        self.block_template = block_mask.as_tuple() if block_mask is not None else None
+        self.block_template = block_template  # a BlockMask tuple, its tensors `_TENSOR` slots
         self.__name__ = "flex_attention"
 
-    def block_mask_tensors(self) -> list[torch.Tensor]:
-        return [x for x in self.block_template or () if isinstance(x, torch.Tensor)]
-
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        from torch.nn.attention.flex_attention import _apply_kernel_options, create_block_mask
+        from torch.nn.attention.flex_attention import _apply_kernel_options
 
-        count = len(self.block_mask_tensors())
+        count = sum(x is _TENSOR for x in self.block_template)
         block_tensors, rest = iter(tensors[:count]), tensors[count:]
         mask_count = sum(len(t.buffer_nodes) for t in self.masks)
         mask_buffers, bias_buffers = tuple(rest[:mask_count]), tuple(rest[mask_count:])
@@ -398,11 +464,7 @@ class FlexCall:
                 score = score + term.bias(b, h, q_idx, kv_idx, *own)
             return score
 
-        if self.block_template is not None:
-            block = tuple(next(block_tensors) if isinstance(x, torch.Tensor) else x for x in self.block_template)
-        else:  # the mask reads data: build its block mask here, from that data
-            block = create_block_mask(lambda b, h, qi, ki: mask_mod(b, h, qi, ki, *mask_buffers),
-                                      *self.sizes, device=q.device).as_tuple()
+        block = tuple(next(block_tensors) if x is _TENSOR else x for x in self.block_template)
         options = _apply_kernel_options(q, k, v, False, dict(self.kernel_options))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, *_ = torch.ops.higher_order.flex_attention(
@@ -433,14 +495,17 @@ class FlexAttention(Transform):
             site = match_sdpa(node) or match_handwritten(node)
             if site is not None:
                 sites.append(site)
+        built: list[_BuiltBlockMask] = []  # this graph's block masks, shared by the sites whose masks match
         for site in sites:
             reason = site.refusal or _shape_refusal(site) or self._device_refusal(site, graph)
             if reason is not None:
                 record.skipped(site.where, reason)
                 continue
             backend = self._backend_for(site)
-            self._rewrite(graph, site, backend, record)
-
+            old = site.output
+            new = self._rewrite(graph, site, backend, record, built)
+            for later in sites:  # an attention's output feeding the next one (q = attention(q, ...))
+                later.q, later.k, later.v = (new if n is old else n for n in (later.q, later.k, later.v))
 
     def _device_refusal(self, site: AttentionSite, graph: CapturedGraph) -> str | None:
         q = example_value(site.q)
@@ -470,33 +535,83 @@ class FlexAttention(Transform):
                              f"Use backend='auto' (Flash where it runs, else Triton) or 'triton'")
         return "flash" if self.backend in ("auto", "flash") and not missing else "triton"
 
-    def _rewrite(self, graph: CapturedGraph, site: AttentionSite, backend: str, record: TransformRecord) -> None:
-        from torch.nn.attention.flex_attention import create_block_mask
-
+    def _rewrite(self, graph: CapturedGraph, site: AttentionSite, backend: str, record: TransformRecord,
+                 built: list[_BuiltBlockMask]) -> fx.Node:
         q, k = example_value(site.q), example_value(site.k)
         batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         used = set().union(*(t.positions_used for t in site.masks)) if site.masks else set()
         sizes = (batch if "b" in used else None, heads if "h" in used else None, q_len, kv_len)
         options = {"BACKEND": "FLASH"} if backend == "flash" else {}
-        block_mask = None
-        if all(t.is_static for t in site.masks):
-            block_mask = create_block_mask(lambda b, h, qi, ki: _all_allowed(site.masks, b, h, qi, ki),
-                                           *sizes, device=q.device)
-        call = FlexCall(site, block_mask, sizes, options)
         g = graph.gm.graph
-        constants = [graph.add_constant_input(f"block_mask_{site.output.name}_{i}", t)
-                     for i, t in enumerate(call.block_mask_tensors())]
+        block_mask = next((b for b in built if b.serves(site.masks, sizes, q.device)), None)
+        if block_mask is None:
+            with g.inserting_before(site.output):
+                block_mask = _block_mask_nodes(graph, site, sizes, q.device)
+            built.append(block_mask)
+            how = block_mask.how
+        else:
+            how = f"{block_mask.how}, shared with {block_mask.first}"
+        call = FlexCall(site, block_mask.template, options)
         buffers = [n for t in site.masks + site.biases for n in t.buffer_nodes]
         with g.inserting_before(site.output):
-            node = g.call_function(call, (site.q, site.k, site.v, *constants, *buffers))
+            node = g.call_function(call, (site.q, site.k, site.v, *block_mask.tensors, *buffers))
         node.meta["example_value"] = site.output.meta.get("example_value")
         site.output.replace_all_uses_with(node)
         replaced_inputs = site.output.all_input_nodes
         g.erase_node(site.output)
         remove_unused(g, replaced_inputs)  # the mask/bias/score nodes only the old attention read
-        built = "built once" if block_mask is not None else "built per call from the data it reads"
         record.changed("attention", site.where,
-                       f"-> flex_attention ({describe_mask(site, q_len, kv_len)}; {backend}; block mask {built})")
+                       f"-> flex_attention ({describe_mask(site, q_len, kv_len)}; {backend}; block mask {how})")
+        return node
+
+
+@dataclass
+class _BuiltBlockMask:
+    """A block mask in the graph: the nodes of its tensors, its BlockMask tuple as FlexCall takes it,
+    and what it was built for (so that another site with the same masks reuses it)."""
+
+    masks: list[Term]
+    sizes: tuple[int | None, ...]
+    device: torch.device
+    tensors: list[fx.Node]
+    template: tuple
+    how: str
+    first: str  # the site it was built for
+
+    def serves(self, masks: list[Term], sizes: tuple[int | None, ...], device: torch.device) -> bool:
+        """Same sizes and device, and masks that are the same programs of the same graph nodes."""
+        try:
+            return self.sizes == sizes and self.device == device and bool(self.masks == masks)
+        except (RuntimeError, TypeError):  # a program holding something that does not compare
+            return False
+
+
+def _block_mask_nodes(graph: CapturedGraph, site: AttentionSite, sizes: tuple[int | None, ...],
+                      device: torch.device) -> _BuiltBlockMask:
+    """A mask that depends on positions only: its BlockMask built now, its tensors constant inputs.
+    One that reads data: a BlockMaskBuild node computing it from that data on every call."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if all(t.is_static for t in site.masks):
+        block_mask = create_block_mask(lambda b, h, qi, ki: _all_allowed(site.masks, b, h, qi, ki), *sizes,
+                                       device=device)
+        tensors = [x for x in block_mask.as_tuple() if isinstance(x, torch.Tensor)]
+        nodes = [graph.add_constant_input(f"block_mask_{site.output.name}_{i}", t) for i, t in enumerate(tensors)]
+        return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(block_mask), "built once", site.where)
+    build = BlockMaskBuild(site.masks, sizes, device)
+    buffers = tuple(n for t in site.masks for n in t.buffer_nodes)
+    values = [example_value(n) for n in buffers]
+    fake_mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), contextlib.nullcontext())
+    with fake_mode, torch._C.DisableTorchFunctionSubclass():
+        try:
+            example = build.block_mask(*values)
+        except NotBounded as why:
+            build.fallback = f"per-block bounds cannot take {why}"
+            example = build.block_mask(*values)
+    g = graph.gm.graph
+    node = insert_call(g, "call_function", build, buffers)
+    nodes = [insert_call(g, "call_function", operator.getitem, (node, i)) for i in range(len(node.meta["example_value"]))]
+    return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how, site.where)
 
 
 def _shape_refusal(site: AttentionSite) -> str | None:
