@@ -4,7 +4,8 @@
 path. This transform finds, per Dynamo graph, the ops a CUDA graph cannot record
 (`xform.capture_safety`), partitions the rest into maximal regions (`xform.regions`), compiles
 each region with the handoff and records its forward and backward (`xform.replay`: one shared
-pool, nothing live in it between replays, outputs copied out into the caller's own tensors).
+pool, nothing live in it between replays; launches read the caller's inputs and write fresh
+outputs of the caller's by moving the graph's pointers, or, where that cannot be checked, copy).
 Ops that break a region run as compiled, between the replays; the report names each with the
 user's line, the reason and the fix.
 """
@@ -33,7 +34,7 @@ NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): CUDA graphs
 
 
 OPTIONS = ("min_region_ops", "max_signatures", "warmup")
-REMOVED = {"max_graphs": "outputs are copied out of the pool after every replay, so one recording per signature "
+REMOVED = {"max_graphs": "every launch hands out fresh outputs of the caller's, so one recording per signature "
                          "serves callers that hold outputs"}
 
 
