@@ -370,7 +370,7 @@ def test_a_pointer_the_scan_misses_is_caught_by_the_check_and_the_recording_copi
             torch.testing.assert_close(step(x), model(x))
     stats = transform.functions[0].stats
     assert (stats.recordings, stats.direct, stats.replays) == (1, 0, 3)
-    assert stats.direct_refused == "a replay with its pointers moved did not agree with one copying"
+    assert stats.direct_refused.startswith("a replay with its pointers moved did not agree with one copying (outputs [0] of 1")
     assert "copies its inputs and outputs" in xform.report(model).describe("cudagraphs")
 
 

@@ -407,6 +407,13 @@ class _Recording:
         with 0x7F bytes (about 3e38), others with zeros (still valid indices)."""
         for t in self.recorded.inputs:
             _bytes_of(t.untyped_storage()).fill_(0x7F) if t.is_floating_point() else t.zero_()
+        # and all that moves of the pool: a read the move missed would find the copying replay's
+        # correct values there, which later replays of other graphs overwrite
+        pointers = self.recorded.pointers
+        for span in pointers.spans[len(self.recorded.inputs):] if pointers is not None else ():
+            storage = torch._C._construct_storage_from_data_pointer(span.start, self.sources[0].device,
+                                                                     span.end - span.start)
+            _bytes_of(storage).fill_(0x7F)
 
 
 def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -601,12 +608,15 @@ class GraphedFunction:
             else:
                 recording.direct = True  # as a moved launch hands its outputs out
                 got = _checksums([recording.output(spec, fresh[spec.group]) for _, spec in groups])
-                if _agree(reference, got, counts):
+                agree = [_agree(reference[i:i + 1], got[i:i + 1], counts[i:i + 1]) for i in range(len(groups))]
+                if all(agree):
                     self.stats.direct += 1
                     self.stats.outputs_copied += recording.group_spans.count(None)
                     return True
                 recording.direct = False
-                why = "a replay with its pointers moved did not agree with one copying"
+                bad = [k for (k, _), ok in zip(groups, agree) if not ok]
+                why = (f"a replay with its pointers moved did not agree with one copying (outputs {bad[:6]} of "
+                       f"{len(self._specs)}, e.g. {tuple(recording.recorded.outputs[bad[0]].shape)})")
             try:
                 recording.recorded.pointers.reset()
             except DriverError as error:
