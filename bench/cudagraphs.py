@@ -76,17 +76,13 @@ def compiler(config: str, dynamic: bool | None = None) -> Callable[[torch.nn.Mod
     return lambda model: torch.compile(model, backend=xform.Backend(TRANSFORMS), dynamic=dynamic)
 
 
-def replay_stats() -> dict[str, Any]:
+def replay_stats() -> dict[str, int]:
     """Totals over xform's recorded functions: what was recorded, replayed and run uncaptured."""
     functions = [f for t in TRANSFORMS for f in t.functions]
     return {"functions": len(functions), "recordings": sum(f.stats.recordings for f in functions),
             "replays": sum(f.stats.replays for f in functions),
             "uncaptured_calls": sum(f.stats.uncaptured_calls for f in functions),
-            "fallbacks": sum(f.stats.fallback is not None for f in functions),
-            "direct": sum(f.stats.direct for f in functions),  # recordings launched with moved pointers
-            "outputs_copied": sum(f.stats.outputs_copied for f in functions),  # of those, storages still copied
-            "nodes_rewritten": sum(f.stats.nodes_rewritten for f in functions),  # before launches, all replays
-            "copying_because": sorted({f.stats.direct_refused for f in functions if f.stats.direct_refused})}
+            "fallbacks": sum(f.stats.fallback is not None for f in functions)}
 
 
 def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int = 5) -> dict[str, Any]:

@@ -25,8 +25,7 @@ import xform.transforms.cudagraphs as cudagraphs
 from xform.capture_safety import find_breaks
 from xform.fxgraph import quotient_is_acyclic, to_digraph
 from xform.regions import plan_regions
-from xform.graph_pointers import Span
-from xform.replay import MovablePointers, Recorded
+from xform.replay import Recorded
 from xform.transforms import CudaGraphs
 
 
@@ -34,41 +33,15 @@ def _scribble(t: torch.Tensor) -> None:
     t.fill_(float("nan") if t.is_floating_point() else 7)
 
 
-def _at(address: int, like: torch.Tensor) -> torch.Tensor:
-    """A tensor shaped like `like` over the memory at `address` (a pointer word's view of it)."""
-    extent = like.untyped_storage().nbytes() - (like.data_ptr() - like.untyped_storage().data_ptr())
-    storage = torch._C._construct_storage_from_data_pointer(address, like.device, extent)
-    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape, like.stride())
-
-
-class SimulatedGraph:
-    """A recorded graph's pointer words, simulated: one node whose words are where its kernels read
-    the copied inputs and write the outputs. `hidden` outputs' words are kept from the scan (as a
-    pointer in device memory would be), so moving never reaches them."""
-
-    def __init__(self, static: list[torch.Tensor], outputs: list[torch.Tensor], hidden: bool) -> None:
-        self.node = [t.data_ptr() for t in static] + [o.data_ptr() for o in outputs]
-        self.visible = len(static) if hidden else len(self.node)
-
-    def words(self) -> list[list[int]]:
-        return [self.node[:self.visible]]
-
-    def set(self, values: dict[int, dict[int, int]]) -> None:
-        for word, value in values.get(0, {}).items():
-            self.node[word] = value
-
-
 class SimulatedRecorder:
     device_type = "cpu"
 
-    def __init__(self, fail: Exception | None = None, hide_outputs: bool = False, outputs: str = "exact") -> None:
+    def __init__(self, fail: Exception | None = None) -> None:
         self.fail = fail
-        self.hide_outputs = hide_outputs
-        self.outputs = outputs  # their spans: "exact", "grown" (from 512 bytes before), "kept" (copied out)
         self.recorded = 0
         self.pool: list[torch.Tensor] = []  # every recording's input and output buffers
 
-    def record(self, run, inputs, copied, movable=False):
+    def record(self, run, inputs, copied):
         if self.fail is not None:
             raise self.fail
         self.recorded += 1
@@ -78,49 +51,20 @@ class SimulatedRecorder:
         outputs = run(static)
         caller = {t.untyped_storage().data_ptr() for i, t in enumerate(inputs) if i not in copied
                   and isinstance(t, torch.Tensor)}
-        own_inputs = [static[i] for i in copied]
-        if self.outputs == "grown":  # each output storage 512 bytes into a larger block of the pool
-            outputs = [self._rehomed(o, own_inputs + [o for o in inputs if isinstance(o, torch.Tensor)])
-                       for o in outputs]
         mine = [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller]
+        own_inputs = [static[i] for i in copied]
         self.pool += own_inputs + mine
         written = {t.untyped_storage().data_ptr() for t in own_inputs}
-        graph = SimulatedGraph(own_inputs, mine, self.hide_outputs)
 
         def replay():
             for t in self.pool:
                 if t.untyped_storage().data_ptr() not in written:
                     _scribble(t)
-            now = list(static)
-            for i, address in zip(copied, graph.node):
-                now[i] = _at(address, static[i])
-            produced = [o for o in run(now) if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller]
-            for out, address, new in zip(mine, graph.node[len(own_inputs):], produced):
-                _at(address, out).copy_(new)
+            for out, new in zip(mine, [o for o in run(static) if isinstance(o, torch.Tensor)
+                                       and o.untyped_storage().data_ptr() not in caller]):
+                out.copy_(new)
 
-        recorded = Recorded(replay, own_inputs, outputs)
-        if movable:
-            spans = [Span(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in own_inputs]
-            for out in mine:
-                storage = out.untyped_storage()
-                start = storage.data_ptr()
-                if start not in recorded.output_spans and start not in written and self.outputs != "kept":
-                    recorded.output_spans[start] = len(spans)
-                    spans.append(Span(start - (512 if self.outputs == "grown" else 0), start + storage.nbytes()))
-            recorded.pointers = MovablePointers(graph, spans, replay)
-        return recorded
-
-    def _rehomed(self, out, inputs):
-        """`out` copied 512 bytes into a block of its own (when it is not an input's view)."""
-        if not isinstance(out, torch.Tensor) or any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                                                      for t in inputs):
-            return out
-        block = torch.empty(out.untyped_storage().nbytes() + 512, dtype=torch.uint8)
-        self.pool.append(block)
-        storage = torch._C._construct_storage_from_data_pointer(block.data_ptr() + 512, out.device,
-                                                                 out.untyped_storage().nbytes())
-        moved = torch.empty(0, dtype=out.dtype).set_(storage, out.storage_offset(), out.shape, out.stride())
-        return moved.copy_(out)
+        return Recorded(replay, own_inputs, outputs)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is memory of the simulated pool."""
@@ -305,75 +249,6 @@ def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):
     assert transform.functions[0].stats.recordings == 2
 
 
-def test_recordings_launch_with_their_pointers_moved_and_copy_nothing(recorder):
-    model, transform = mlp(), CudaGraphs(min_region_ops=1)
-    step = compiled(model, transform)
-    x = torch.randn(4, 8)
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        out = step(x)
-        out.square().mean().backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad)
-        assert not recorder.holds(out)
-    stats = [f.stats for f in transform.functions]
-    assert [(s.recordings, s.direct, s.direct_refused) for s in stats] == [(1, 1, None)] * 2
-    # the pool's input buffers keep the check's fill: no launch copied an input into them
-    pooled = [f._recordings[0].recorded.inputs for f in transform.functions]
-    assert all(t.isnan().all() or (t.view(torch.uint8) == 0x7F).all() for inputs in pooled for t in inputs
-               if t.is_floating_point())
-
-
-@pytest.mark.parametrize("outputs", ["grown", "kept"])
-def test_outputs_in_a_grown_span_or_kept_in_the_pool_are_handed_out_right(monkeypatch, outputs):
-    sim = SimulatedRecorder(outputs=outputs)
-    monkeypatch.setattr(cudagraphs, "available_recorder", lambda: sim)
-    model, transform = mlp(), CudaGraphs(min_region_ops=1)
-    step = compiled(model, transform)
-    x = torch.randn(4, 8)
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        out = step(x)
-        out.square().mean().backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        torch.testing.assert_close(out, model(x))
-        model(x).square().mean().backward()
-        for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad)
-        assert not sim.holds(out)
-    stats = [f.stats for f in transform.functions]
-    assert all(s.direct == 1 for s in stats)
-    assert (sum(s.outputs_copied for s in stats) > 0) == (outputs == "kept")
-
-
-def test_an_input_off_the_compiled_alignment_is_copied_before_a_moved_launch(recorder):
-    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
-    step = compiled(model, transform)
-    with torch.no_grad():
-        for offset in (0, 0, 1, 0):  # a view one float into its storage: 4 bytes off 16
-            x = torch.randn(33)[offset:offset + 32].view(4, 8)
-            torch.testing.assert_close(step(x), model(x))
-    assert transform.functions[0].stats.direct == 1
-
-
-def test_a_pointer_the_scan_misses_is_caught_by_the_check_and_the_recording_copies(monkeypatch):
-    monkeypatch.setattr(cudagraphs, "available_recorder", lambda: SimulatedRecorder(hide_outputs=True))
-    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
-    step = compiled(model, transform)
-    with torch.no_grad():
-        for _ in range(4):
-            x = torch.randn(4, 8)
-            torch.testing.assert_close(step(x), model(x))
-    stats = transform.functions[0].stats
-    assert (stats.recordings, stats.direct, stats.replays) == (1, 0, 3)
-    assert stats.direct_refused.startswith("a replay with its pointers moved did not agree with one copying (outputs [0] of 1")
-    assert "copies its inputs and outputs" in xform.report(model).describe("cudagraphs")
-
-
 def test_a_failed_recording_falls_back_and_strict_mode_raises(monkeypatch):
     sim = SimulatedRecorder(fail=RuntimeError("operation not permitted when stream is capturing"))
     monkeypatch.setattr(cudagraphs, "available_recorder", lambda: sim)
@@ -457,29 +332,6 @@ def test_writing_into_an_argument_is_a_break_but_into_a_buffer_is_not(recorder):
     (skip,) = xform.report(model).skips("cudagraphs")
     assert skip.target.startswith("Tensor.copy_ (node copy_) at test_cudagraphs.py:")
     assert skip.reason.startswith("it writes in place into the graph input 'l_out_'")
-
-
-class Cache(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("cache", torch.zeros(4, 8))
-
-    def forward(self, x):
-        self.cache.mul_(0.5).add_(x)  # a buffer written in place, as a KV cache is
-        return (self.cache * 2).sin().cos()
-
-
-def test_a_region_writing_its_inputs_in_place_is_never_replayed_twice_so_it_copies(recorder):
-    model, transform = Cache(), CudaGraphs(min_region_ops=1)
-    reference = Cache()
-    step = compiled(model, transform)
-    with torch.no_grad():
-        for _ in range(4):
-            x = torch.randn(4, 8)
-            torch.testing.assert_close(step(x), reference(x))
-    torch.testing.assert_close(model.cache, reference.cache)  # written once per call: no check replay
-    stats = transform.functions[0].stats
-    assert (stats.recordings, stats.direct, stats.direct_refused) == (1, 0, None)
 
 
 GENERATOR = torch.Generator().manual_seed(0)

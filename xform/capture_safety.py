@@ -191,13 +191,6 @@ def alias_base(node: fx.Node) -> fx.Node:
     return node
 
 
-def writes_an_input(gm: fx.GraphModule) -> bool:
-    """Whether an op of `gm` writes in place into one of its inputs (a buffer, a KV cache): then a
-    replay is not free to run twice, as the check of a recording's moved pointers would."""
-    return any(node.op in OPS and is_in_place(node) and node.args and isinstance(node.args[0], fx.Node)
-               and alias_base(node.args[0]).op == "placeholder" for node in gm.graph.nodes)
-
-
 def _writes_graph_input(module_state: set[fx.Node]) -> Callable[[fx.Node, Any], tuple[str, str] | None]:
     def check(node: fx.Node, _: Any) -> tuple[str, str] | None:
         if not is_in_place(node) or not node.args or not isinstance(node.args[0], fx.Node):

@@ -4,8 +4,7 @@
 path. This transform finds, per Dynamo graph, the ops a CUDA graph cannot record
 (`xform.capture_safety`), partitions the rest into maximal regions (`xform.regions`), compiles
 each region with the handoff and records its forward and backward (`xform.replay`: one shared
-pool, nothing live in it between replays; launches read the caller's inputs and write fresh
-outputs of the caller's by moving the graph's pointers, or, where that cannot be checked, copy).
+pool, nothing live in it between replays, outputs copied out into the caller's own tensors).
 Ops that break a region run as compiled, between the replays; the report names each with the
 user's line, the reason and the fix.
 """
@@ -21,7 +20,7 @@ from torch import fx, nn
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from xform.capture_safety import find_breaks, graph_level_reason, writes_an_input
+from xform.capture_safety import find_breaks, graph_level_reason
 from xform.captured import CapturedGraph
 from xform.registry import register_transform
 from xform.regions import SAFE, RegionPlan, plan_regions
@@ -34,7 +33,7 @@ NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): CUDA graphs
 
 
 OPTIONS = ("min_region_ops", "max_signatures", "warmup")
-REMOVED = {"max_graphs": "every launch hands out fresh outputs of the caller's, so one recording per signature "
+REMOVED = {"max_graphs": "outputs are copied out of the pool after every replay, so one recording per signature "
                          "serves callers that hold outputs"}
 
 
@@ -44,7 +43,6 @@ def available_recorder() -> GraphRecorder | None:
 
 
 Layout = tuple[int, tuple[int, ...], tuple[int, ...]]
-Wrap = Callable[[Callable[..., Any], str, Sequence[int]], GraphedFunction]
 
 
 def _layout(t: torch.Tensor) -> Layout:
@@ -138,20 +136,14 @@ class CudaGraphs(Transform):
                 record.skipped(f"region {index} ({region.op_count} ops)", region.why_plain)
         if not plan.graphed:
             return None
-        module_state = _module_state(graph.root_modules())
-
-        def wrapper(gm: fx.GraphModule) -> Wrap:
-            return self._wrapper(recorder, module_state, record, movable=not writes_an_input(gm))
-
+        wrap = self._wrapper(recorder, _module_state(graph.root_modules()), record)
         if len(plan.regions) == 1:
             record.changed("region", "region 0", f"the whole graph, {plan.regions[0].op_count} ops")
-            return compile(graph.gm, graph.example_inputs, wrap_inner=wrapper(graph.gm))
-        return self._split(graph, plan, compile, wrapper, record)
+            return compile(graph.gm, graph.example_inputs, wrap_inner=wrap)
+        return self._split(graph, plan, compile, wrap, record)
 
-    def _wrapper(self, recorder: GraphRecorder, module_state: set[Layout], record: TransformRecord,
-                 movable: bool) -> Wrap:
-        """How a region's compiled functions are recorded; `movable` when the region writes none of
-        its inputs, so that its recordings may launch with their pointers moved (xform.replay)."""
+    def _wrapper(self, recorder: GraphRecorder, module_state: set[Layout],
+                 record: TransformRecord) -> Callable[[Callable[..., Any], str, Sequence[int]], GraphedFunction]:
         def wrap(compiled: Callable[..., Any], kind: str, static_input_idxs: Sequence[int]) -> GraphedFunction:
             # Inductor counts a backward's saved tensors as static (CUDA Graph Trees keep the
             # forward's outputs in place); here they are fresh copies each step, so only the
@@ -163,14 +155,14 @@ class CudaGraphs(Transform):
 
             function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, is_module_state,
                                        warmup=self.warmup, max_signatures=self.max_signatures,
-                                       movable=movable, on_event=record.note)
+                                       on_event=record.note)
             self.functions.append(function)
             return function
 
         return wrap
 
     def _split(self, graph: CapturedGraph, plan: RegionPlan, compile: Callable[..., Callable[..., Any]],
-               wrapper: Callable[[fx.GraphModule], Wrap], record: TransformRecord) -> Callable[..., Any]:
+               wrap: Callable[..., GraphedFunction], record: TransformRecord) -> Callable[..., Any]:
         """The graph as one call per region: graphed regions recorded, small safe ones compiled
         plainly, the ops of those holding breaks inline between them."""
         # regions holding breaks (host reads, CPU ops) stay inline and run as written: Inductor
@@ -192,7 +184,7 @@ class CudaGraphs(Transform):
         for index, call in calls.items():
             region, sub = plan.regions[index], getattr(split, call.target)
             label = f"region {index} ({region.op_count} ops, {region.kind})"
-            wrap_inner = wrapper(sub) if region.kind == SAFE else None
+            wrap_inner = wrap if region.kind == SAFE else None
             if region.kind == SAFE:
                 record.changed("region", label)
 
