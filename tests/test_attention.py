@@ -293,8 +293,8 @@ def test_regression_in_place_ops_outside_the_attention_survive_the_rewrite():
     torch.testing.assert_close(xform.compile(model, "flex-attention", handoff="eager")(x, q, k, v), model(x, q, k, v))
 
 
-@pytest.mark.parametrize("training", [False, True])
-def test_flash_is_not_chosen_for_a_data_mask_without_a_backward(monkeypatch, training):
+@pytest.mark.parametrize("requires_grad, training", [(False, False), (True, False), (True, True)])
+def test_flash_is_not_chosen_for_a_data_mask_without_a_backward(monkeypatch, requires_grad, training):
     """torch 2.11's CuTeDSL lowering frees the ids a document mask reads before the Flash kernel
     reads them when the graph has no backward (measured on the H200); with one it runs."""
     import torch._inductor.kernel.flex.flex_flash_attention as flash
@@ -305,7 +305,7 @@ def test_flash_is_not_chosen_for_a_data_mask_without_a_backward(monkeypatch, tra
     found = []
     monkeypatch.setattr(attention.FlexAttention, "_backend_for",
                         lambda self, site: found.append(attention._flash_missing(site)) or "cpu")
-    q, k, v, extra = inputs(training)
+    q, k, v, extra = inputs(requires_grad)  # leaves needing a gradient, called under no_grad: no backward
     with torch.set_grad_enabled(training):
         xform.compile(hand_document, "flex-attention", handoff="eager")(q.bfloat16(), k.bfloat16(), v.bfloat16(), extra)
     if training:

@@ -640,8 +640,8 @@ def _flash_missing(site: AttentionSite) -> str | None:
         return f"it takes head dims 8 to 256, this is {q.shape[-1]}"
     if any(example_value(n).requires_grad for t in site.biases for n in t.buffer_nodes):
         return "its backward takes no gradient for tensors a score_mod reads (a learned bias)"
-    if not all(t.is_static for t in site.masks) and not any(example_value(n).requires_grad
-                                                             for n in (site.q, site.k, site.v)):
+    backward = torch.is_grad_enabled() and any(example_value(n).requires_grad for n in (site.q, site.k, site.v))
+    if not all(t.is_static for t in site.masks) and not backward:
         return ("its mask reads data (built per call), and without a backward Inductor's CuTeDSL lowering frees "
                 "that data before the Flash kernel reads it (UnboundLocalError in the compiled code, measured on "
                 "torch 2.11; pytorch/pytorch#181800)")
