@@ -21,6 +21,7 @@ from xform.sharding import ShardedParameter, ShardSpec, is_local
 from xform.transforms import Distribute
 
 TRAIN = Path(__file__).resolve().parent / "distributed" / "train.py"
+CORPUS = Path(__file__).resolve().parent / "distributed" / "corpus_run.py"
 STEPS = 10
 EXACT = 1e-5  # same math, summed in another order across ranks
 FSDP2_DRIFT = 5e-2  # FSDP2 by hand drifts from the one-process run here (measured: up to 3.4e-2 in 10 steps)
@@ -243,3 +244,26 @@ def test_fsdp_asks_inductor_for_communication_overlap_and_the_user_can_say_no():
     user = xform.Backend(["distribute:fsdp"], inductor_options={"reorder_for_compute_comm_overlap": False})
     assert user.pipeline.handoff.config_patches["reorder_for_compute_comm_overlap"] is False
     assert xform.Backend(["distribute:ddp"]).pipeline.handoff.config_patches is None
+
+
+def corpus(tmp_path: Path, *args: str) -> dict:
+    """The randomized corpus's models under distribute, 2 processes (tests/distributed/corpus_run.py)."""
+    out = tmp_path / "corpus.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(CORPUS), *args, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path):
+    result = corpus(tmp_path, "--strategies", "ddp,fsdp,tp", "--first", "0", "--models", "8")
+    assert result["cases"] == 24 and result["problems"] == []
+
+
+@pytest.mark.slow
+def test_regression_a_row_layers_output_feeding_the_next_column_layer_is_read_summed(tmp_path):
+    # corpus seed 2: mlp -> mlp without a residual between them; the second block's column layer
+    # read the first block's partial product (before the sum and the bias): outputs off by 0.19
+    result = corpus(tmp_path, "--strategies", "tp", "--first", "2", "--models", "1")
+    assert result["cases"] == 1 and result["problems"] == []

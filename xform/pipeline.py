@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch import fx
+from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
 from xform.captured import CapturedGraph
 from xform.faults import TransformFailed, strict, transform_failure
@@ -23,6 +24,10 @@ from xform.registry import resolve
 from xform.report import GraphRecord, TransformRecord
 from xform.transform import Transform
 
+
+# raised by Dynamo from inside a backend to restart or skip its analysis (a float read on the host
+# becoming a tensor, say): they must reach Dynamo as they are, not as a transform's or handoff's failure
+DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame)
 
 PARAMETERS_NOT_INPUTS = (
     "the graph reads them as attributes of the graph module, not as inputs (a graph traced outside "
@@ -138,6 +143,8 @@ class Pipeline:
                     compiled = t.compile_graph(graph, partial(self.handoff.compile, aot_hook=aot_hook), records[t.name])
             if compiled is None:
                 compiled = self.handoff.compile(graph.gm, graph.example_inputs, aot_hook)
+        except DYNAMO_SIGNALS:
+            raise
         except Exception as error:
             if transform_failure(error) is not None:
                 raise
@@ -192,8 +199,8 @@ def _timed(transform: Transform, record: TransformRecord, hook: str) -> Iterator
     start = time.perf_counter()
     try:
         yield
-    except (ValueError, NotImplementedError, TransformFailed):
-        raise  # bad input, said plainly by the transform; or already attributed
+    except (ValueError, NotImplementedError, TransformFailed, *DYNAMO_SIGNALS):
+        raise  # bad input, said plainly by the transform; already attributed; or Dynamo's own signal
     except Exception as error:
         raise TransformFailed(transform, hook, error) from error
     finally:

@@ -80,14 +80,16 @@ def apply_plan(graph: CapturedGraph, plan: TensorParallelPlan, group_name: str, 
             if node is not None:
                 spec = ShardSpec(0, example_value(node).shape[0], group_name, plan.world, rank, outer, "slice")
                 lines.append(_cut(graph, node, spec, by, "column"))
+    summed_rows = {}  # row linear -> its summed output, which its readers now read instead
     for linear, outer in plan.rows.items():
         _, weight, bias = linear_operands(linear)
         spec = ShardSpec(1, example_value(weight).shape[1], group_name, plan.world, rank, outer, "slice")
         lines.append(_cut(graph, weight, spec, by, "row"))
-        _sum_then_bias(graph.gm.graph, linear, bias, group_name)
+        summed_rows[linear] = _sum_then_bias(graph.gm.graph, linear, bias, group_name)
     g = graph.gm.graph
     last_placeholder = graph.placeholders[-1]
     for value, readers in plan.sum_gradient.items():
+        value = summed_rows.get(value, value)  # a row layer's output feeding the next column layer
         with g.inserting_after(last_placeholder if value.op == "placeholder" else value):
             summed = insert_call(g, "call_function", reduce_gradient, (value, "sum", group_name))
         for reader, slot in readers:
@@ -113,8 +115,9 @@ def _cut(graph: CapturedGraph, node: fx.Node, spec: ShardSpec, by: str, kind: st
     return param.fqn, f"{kind}-parallel, {before} -> {tuple(new.shape)}{blocks}"
 
 
-def _sum_then_bias(g: fx.Graph, linear: fx.Node, bias: fx.Node | None, group_name: str) -> None:
-    """linear(x, w, b) -> sum_over_ranks(linear(x, w)) + b: the partial products summed, the bias once."""
+def _sum_then_bias(g: fx.Graph, linear: fx.Node, bias: fx.Node | None, group_name: str) -> fx.Node:
+    """linear(x, w, b) -> sum_over_ranks(linear(x, w)) + b: the partial products summed, the bias
+    once. Returns the node the linear's readers now read."""
     users = list(linear.users)
     if bias is not None:
         _set_operand(linear, ("arg", 2) if len(linear.args) > 2 else ("kwarg", "bias"), None)
@@ -125,6 +128,7 @@ def _sum_then_bias(g: fx.Graph, linear: fx.Node, bias: fx.Node | None, group_nam
             out = insert_call(g, "call_function", operator.add, (out, bias))
     for user in users:
         user.replace_input_with(linear, out)
+    return out
 
 
 def _set_operand(node: fx.Node, slot: Slot, value: Any) -> None:

@@ -1,0 +1,81 @@
+"""The randomized corpus under `distribute`: each seeded model (tests/corpus.py) trained a few SGD
+steps through `distribute:<strategy>` on every rank, against the same model trained eagerly in
+this process; rank 0 writes what differed.
+
+    torchrun --nproc_per_node 2 tests/distributed/corpus_run.py --strategies ddp,fsdp,tp --first 0 --models 8 --out r.json
+
+Every rank sees the same batch, so data-parallel ranks average identical gradients and every
+strategy must reproduce the one-process run: its outputs and input gradients at each step (after
+the first, the outputs also check the parameters' gradients, through the updates they made).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from corpus import random_model  # noqa: E402
+
+import xform  # noqa: E402
+
+STEPS, LR, TOLERANCE = 3, 0.05, 1e-4
+
+
+def train(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Per step of STEPS steps of SGD on the mean square of the output: the output and the input's
+    gradient. The optimizer is made after the first call, when xform has replaced the parameters."""
+    found, optimizer = [], None
+    for step in range(STEPS):
+        given = x.clone().requires_grad_(True)
+        out = forward(given)
+        if step == 0 and any(p.requires_grad for p in model.parameters()):
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        out.float().square().mean().backward()
+        if optimizer is not None:
+            optimizer.step()
+        found.append(torch.cat([out.detach().float().flatten(), given.grad.float().flatten()]))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategies", default="ddp,fsdp,tp")
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--models", type=int, default=8)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    cases, problems = 0, []
+    for seed in range(args.first, args.first + args.models):
+        model, x = random_model(seed)
+        reference = copy.deepcopy(model)
+        expected = train(reference, reference, x)
+        for strategy in args.strategies.split(","):
+            torch._dynamo.reset()
+            candidate = copy.deepcopy(model)
+            got = train(xform.compile(candidate, f"distribute:{strategy}", handoff="eager"), candidate, x)
+            cases += 1
+            for step, (e, a) in enumerate(zip(expected, got)):
+                if not torch.allclose(a, e, atol=TOLERANCE, rtol=10 * TOLERANCE):
+                    problems.append(f"seed {seed} ({model.kinds}) {strategy}: step {step} output or input "
+                                    f"gradient max |diff| "
+                                    f"{(a - e).abs().max().item():.3g}")
+                    break
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps({"world": dist.get_world_size(), "cases": cases, "problems": problems}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
