@@ -91,3 +91,23 @@ def test_strict_mode_raises_the_failure_and_leaves_the_model_alone(monkeypatch):
     with pytest.raises(Exception, match=r"transform 'replaces-then-fails' failed in transform_graph"):
         xform.compile(model, ReplacesThenFails(), handoff="eager")(torch.randn(2, 16))
     assert all(a is b for a, b in zip(model.parameters(), weights))
+
+
+class AsksDynamoToRestart(xform.Transform):
+    """Raises Dynamo's restart signal once, as AOTAutograd does from inside a backend when a float
+    read on the host must become a tensor: it must reach Dynamo, not count as a failure."""
+
+    name = "asks-dynamo-to-restart"
+    raised = 0
+
+    def transform_graph(self, graph, record):
+        if not self.raised:
+            type(self).raised += 1
+            raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+
+
+def test_dynamos_restart_signal_passes_through_and_is_no_failure(monkeypatch):
+    monkeypatch.setenv("XFORM_STRICT", "1")  # a failure would raise
+    model, x = mlp(), torch.randn(2, 16)
+    torch.testing.assert_close(xform.compile(model, AsksDynamoToRestart(), handoff="eager")(x), model(x))
+    assert AsksDynamoToRestart.raised == 1 and xform.report(model).failures() == []
