@@ -256,9 +256,11 @@ def corpus(tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path):
-    result = corpus(tmp_path, "--strategies", "ddp,fsdp,tp", "--first", "0", "--models", "8")
-    assert result["cases"] == 24 and result["problems"] == []
+@pytest.mark.parametrize("paired", ["", "flex-attention", "cast:bf16"])
+def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path, paired):
+    result = corpus(tmp_path, "--strategies", "ddp,fsdp,tp", "--first", "0", "--models", "6",
+                    *(["--with", paired] if paired else []))
+    assert result["cases"] == 18 and result["problems"] == []
 
 
 @pytest.mark.slow

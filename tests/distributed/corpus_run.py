@@ -7,6 +7,8 @@ this process; rank 0 writes what differed.
 Every rank sees the same batch, so data-parallel ranks average identical gradients and every
 strategy must reproduce the one-process run: its outputs and input gradients at each step (after
 the first, the outputs also check the parameters' gradients, through the updates they made).
+`--with flex-attention` (or `cast:bf16`) pairs each strategy with that transform; the one-process
+run then has it too (compiled, as the other transforms left the model).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from corpus import random_model  # noqa: E402
 
 import xform  # noqa: E402
 
-STEPS, LR, TOLERANCE = 3, 0.05, 1e-4
+STEPS, LR = 3, 0.05
+TOLERANCE = {"": 1e-4, "flex-attention": 1e-4, "cast:bf16": 2e-2}  # bf16: partial sums rounded across ranks
 
 
 def train(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -53,21 +56,27 @@ def main() -> None:
     parser.add_argument("--strategies", default="ddp,fsdp,tp")
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--models", type=int, default=8)
+    parser.add_argument("--with", dest="paired", default="", choices=sorted(TOLERANCE),
+                        help="a transform to pair every strategy with")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cases, problems = 0, []
     for seed in range(args.first, args.first + args.models):
         model, x = random_model(seed)
+        paired = [args.paired] if args.paired else []
         reference = copy.deepcopy(model)
-        expected = train(reference, reference, x)
+        expected = train(xform.compile(reference, *paired, handoff="eager") if paired else reference, reference, x)
+        tolerance = TOLERANCE[args.paired]
         for strategy in args.strategies.split(","):
             torch._dynamo.reset()
             candidate = copy.deepcopy(model)
-            got = train(xform.compile(candidate, f"distribute:{strategy}", handoff="eager"), candidate, x)
+            specs = [f"distribute:{strategy}", *paired]  # cast shards what it made: it comes first
+            got = train(xform.compile(candidate, *(specs[::-1] if args.paired == "cast:bf16" else specs),
+                                      handoff="eager"), candidate, x)
             cases += 1
             for step, (e, a) in enumerate(zip(expected, got)):
-                if not torch.allclose(a, e, atol=TOLERANCE, rtol=10 * TOLERANCE):
-                    problems.append(f"seed {seed} ({model.kinds}) {strategy}: step {step} output or input "
+                if not torch.allclose(a, e, atol=tolerance, rtol=10 * tolerance):
+                    problems.append(f"seed {seed} ({model.kinds}) {strategy}{'+' + args.paired if paired else ''}: step {step} output or input "
                                     f"gradient max |diff| "
                                     f"{(a - e).abs().max().item():.3g}")
                     break
