@@ -256,11 +256,23 @@ def corpus(tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("paired", ["", "flex-attention", "cast:bf16"])
-def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path, paired):
-    result = corpus(tmp_path, "--strategies", "ddp,fsdp,tp", "--first", "0", "--models", "6",
+@pytest.mark.parametrize("paired, strategies", [("", "ddp,fsdp,tp"), ("flex-attention", "ddp,fsdp,tp"),
+                                                ("cast:bf16", "ddp,fsdp,tp"), ("quantize:float8-rowwise", "ddp")])
+def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path, paired, strategies):
+    result = corpus(tmp_path, "--strategies", strategies, "--first", "0", "--models", "6",
                     *(["--with", paired] if paired else []))
-    assert result["cases"] == 18 and result["problems"] == []
+    assert result["cases"] == 6 * len(strategies.split(",")) and result["problems"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="found by the corpus, not fixed: fsdp or tp with quantize:float8-rowwise on a "
+                                       "model with SDPA attention crashes at run time ('Multiple dispatch failed for "
+                                       "aten.permute; all __torch_dispatch__ handlers returned NotImplemented'), "
+                                       "not diagnosed yet")
+def test_corpus_float8_rowwise_under_fsdp_and_tp_with_attention(tmp_path):
+    result = corpus(tmp_path, "--strategies", "fsdp,tp", "--first", "4", "--models", "1",
+                    "--with", "quantize:float8-rowwise")
+    assert result["problems"] == [], result["problems"]
 
 
 @pytest.mark.slow
