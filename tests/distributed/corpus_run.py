@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from corpus import random_model  # noqa: E402
+from test_quantize import sqnr  # noqa: E402
 
 import xform  # noqa: E402
 
@@ -39,7 +40,7 @@ FIRST = ("cast:bf16", "quantize:float8-rowwise")  # they make the weights distri
 
 def differs(expected: torch.Tensor, got: torch.Tensor, paired: str) -> str | None:
     if paired in MIN_DB:
-        db = 20 * torch.log10(expected.norm() / (expected - got).norm().clamp_min(1e-30)).item()
+        db = sqnr(expected, got)
         return f"SQNR {db:.1f} dB < {MIN_DB[paired]}" if db < MIN_DB[paired] else None
     tolerance = TOLERANCE[paired]
     if torch.allclose(got, expected, atol=tolerance, rtol=10 * tolerance):
@@ -84,18 +85,17 @@ def main() -> None:
             torch._dynamo.reset()
             candidate = copy.deepcopy(model)
             specs = [f"distribute:{strategy}", *paired]
+            case = f"seed {seed} ({model.kinds}) {'+'.join(specs)}"
             cases += 1
             try:
                 got = train(xform.compile(candidate, *(specs[::-1] if args.paired in FIRST else specs),
                                           handoff="eager"), candidate, x)
             except Exception as error:  # a crash is a finding too: recorded, and the sweep goes on
-                problems.append(f"seed {seed} ({model.kinds}) {strategy}{'+' + args.paired if paired else ''}: "
-                                f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
+                problems.append(f"{case}: {type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
                 continue
             for step, (e, a) in enumerate(zip(expected, got)):
                 if (why := differs(e, a, args.paired)) is not None:
-                    problems.append(f"seed {seed} ({model.kinds}) {strategy}{'+' + args.paired if paired else ''}: "
-                                    f"step {step} output or input gradient: {why}")
+                    problems.append(f"{case}: step {step} output or input gradient: {why}")
                     break
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps({"world": dist.get_world_size(), "cases": cases, "problems": problems}))
