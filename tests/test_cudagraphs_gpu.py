@@ -105,11 +105,11 @@ def test_training_step_records_forward_and_backward():
 
 def test_a_transformer_layer_trains_through_replays_as_eagerly():
     # cuBLAS, SDPA's flash kernels and Triton kernels, forward and backward, recorded and replayed
+    def layer() -> nn.Module:
+        return nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True).cuda().bfloat16()
+
     torch.manual_seed(0)
-    model = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True)
-    model = model.cuda().bfloat16()
-    reference = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True)
-    reference = reference.cuda().bfloat16()
+    model, reference = layer(), layer()
     reference.load_state_dict(model.state_dict())
     transform = CudaGraphs()
     step = torch.compile(model, backend=xform.Backend([transform]))

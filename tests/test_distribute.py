@@ -27,11 +27,12 @@ EXACT = 1e-5  # same math, summed in another order across ranks
 FSDP2_DRIFT = 5e-2  # FSDP2 by hand drifts from the one-process run here (measured: up to 3.4e-2 in 10 steps)
 
 
-def run(tmp_path: Path, processes: int, *args: str) -> dict:
-    out = tmp_path / f"result_{processes}_{'_'.join(args).replace(':', '-')}.json"
+def run(tmp_path: Path, processes: int, *args: str, script: Path = TRAIN) -> dict:
+    """`script` under torchrun with `processes` processes (one: plainly); the JSON its rank 0 wrote."""
+    out = tmp_path / f"result_{script.stem}_{processes}_{'_'.join(args).replace(':', '-')}.json"
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
                 if processes > 1 else [sys.executable])  # --standalone: torchrun picks a free port itself
-    result = subprocess.run([*launcher, str(TRAIN), *args, "--out", str(out)], capture_output=True, text=True,
+    result = subprocess.run([*launcher, str(script), *args, "--out", str(out)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())
@@ -248,11 +249,7 @@ def test_fsdp_asks_inductor_for_communication_overlap_and_the_user_can_say_no():
 
 def corpus(tmp_path: Path, *args: str) -> dict:
     """The randomized corpus's models under distribute, 2 processes (tests/distributed/corpus_run.py)."""
-    out = tmp_path / "corpus.json"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(CORPUS), *args, "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run(tmp_path, 2, *args, script=CORPUS)
 
 
 @pytest.mark.slow
