@@ -366,18 +366,22 @@ class Quantize(Transform):
 def _cached_plan(recipe: str, device: Device, handoff: str) -> Plan:
     """The recipe's plan for the device, tried once on a small layer there: torchao knows best what
     its kernels accept (e.g. torchao 0.17 refuses MXFP8 training on torch 2.11), and a refusal is
-    far clearer here than from deep inside a compile."""
+    far clearer here than from deep inside a compile. Importing the recipe's torchao module is part
+    of the try: torchao 0.17's blockwise module imports its CuTeDSL kernels, which raise on a
+    CuTeDSL of another version (the one FlashAttention-4 brings, say)."""
     spec = RECIPES[recipe]
-    plan = spec.plan(device, handoff)
     dtype = torch.bfloat16 if spec.bf16_weights or device.type == "cuda" else torch.float32
-    probe = nn.Linear(128, 128, bias=spec.bias, device=torch.device(device.type), dtype=dtype)
     try:
+        plan = spec.plan(device, handoff)
+        probe = nn.Linear(128, 128, bias=spec.bias, device=torch.device(device.type), dtype=dtype)
         with torch.enable_grad():  # a training recipe is probed with a backward, even when compiled under no_grad
             layer = spec.apply(probe, plan)
             x = torch.randn(128, 128, device=probe.weight.device, dtype=dtype, requires_grad=spec.training)
             out = layer(x)
             if spec.training:
                 out.float().sum().backward()
+    except QuantizeUnsupported:
+        raise
     except Exception as error:
         raise QuantizeUnsupported(
             f"xform: transform 'quantize': recipe '{recipe}' does not run here ({device}, torch {torch.__version__}, "
