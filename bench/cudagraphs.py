@@ -177,14 +177,21 @@ def run_spec(spec: str, env: dict[str, str]) -> dict[str, Any]:
     return row
 
 
-def run_all(specs: list[str], jobs: int) -> list[dict[str, Any]]:
+def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], Any]) -> list[dict[str, Any]]:
     """Memory runs `jobs` at a time (each process's Inductor gets its share of the CPUs), then
-    the timed runs one by one."""
+    the timed runs one by one; `save` gets the rows so far after each one, so that a run ended
+    early (a time limit) keeps what it measured."""
     overlapping = [s for s in specs if s.startswith("memory") and jobs > 1]
     env = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+    rows: list[dict[str, Any]] = []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        rows = list(pool.map(lambda spec: run_spec(spec, env), overlapping))
-    return rows + [run_spec(s, {}) for s in specs if s not in overlapping]
+        for row in pool.map(lambda spec: run_spec(spec, env), overlapping):
+            rows.append(row)
+            save(rows)
+    for spec in (s for s in specs if s not in overlapping):
+        rows.append(run_spec(spec, {}))
+        save(rows)
+    return rows
 
 
 def unmeasured(row: dict[str, Any]) -> str | None:
@@ -231,13 +238,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/cudagraphs.py needs a CUDA GPU")
     specs = [s for s in DECODE + MEMORY if args.only is None or args.only in s]
-    rows = run_all(specs, args.jobs)
+    name = "cudagraphs" + ("_" + args.only.strip(":").replace(":", "_") if args.only else "")
+    rows = run_all(specs, args.jobs, lambda rows: write_result(name, rows, args.out, summary=summarize(rows),
+                                                               partial=True))
     table = summarize(rows)
     for part in ("decode", "memory"):
         part_rows = [r for r in table if r["case"].startswith(part)]
         if part_rows:
             print_table(part_rows, list(part_rows[0]))
-    name = "cudagraphs" + ("-" + args.only.strip(":").replace(":", "-") if args.only else "")
     print("wrote", write_result(name, rows, args.out, summary=table))
 
 

@@ -19,8 +19,13 @@ On the device machine: only what is under $OUT comes back, so run there and rend
     here:   python bench/run_all.py --render-only --out <files_at>/results
 
 All of it takes longer than one device call may run (10 minutes): split it over several calls
-with --only (--timeout ends a benchmark that would overrun) and gather their results folders in
-one before rendering. The peers need their wheels carried in (`../shared/device/fetch-wheels.sh
+with --only (--timeout ends a benchmark that would overrun; every script writes its JSON after
+each configuration, so what ran before the end is kept) and gather their results folders in one
+before rendering. Measured on the H200 (2026-12-03): quantize_ffn 233 s, attention 167 s (after
+FlashAttention-4's two-call install), quantize_block over 170 s, cudagraphs_memory about 200 s,
+decode about 34 s a configuration (10 in each decode benchmark), compile_overhead 297 s on the
+2-core CPU. So: one call for quantize_ffn + attention, one for quantize_block + cudagraphs_memory,
+one per decode benchmark. The peers need their wheels carried in (`../shared/device/fetch-wheels.sh
 base thunder`: torchao, lightning-thunder); a peer that does not import is recorded as
 "skipped: <reason>" and the rest runs.
 
@@ -77,8 +82,7 @@ class Benchmark:
     """One benchmark: the processes that run it (a script and its arguments each, then `full`'s or
     under --quick `quick`'s), the JSON files they write (`<name>*.json` in the results folder), the
     rows to tabulate and how to chart them. `gpus`: the CUDA GPUs it needs (0: runs on a CPU too);
-    more than one launches it with torchrun over every GPU there. `parts`: a column whose first
-    word (up to a ':') splits the rows into tables of their own, for rows of different columns."""
+    more than one launches it with torchrun over every GPU there."""
 
     name: str
     title: str
@@ -88,10 +92,11 @@ class Benchmark:
     chart: Chart
     gpus: int = 1
     table: str = "rows"
-    parts: str | None = None
 
 
 QUANTIZE_CHART = Chart(("mode", "recipe"), ("ms",), "ms a step", series="variant")
+DECODE_CHART = Chart(("case",), ("inductor ms", "reduce-overhead ms", "xform ms", "thunder ms", "thunder-cudagraphs ms"),
+                     "ms a decode step")
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("compile_overhead", "Compile-time overhead of xform with no transforms over Inductor",
               (("bench/compile_overhead.py",),), ("--repeats", "8"), ("--repeats", "2"),
@@ -106,10 +111,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("attention", "Attention: SDPA as written vs flex_attention by hand vs xform vs ThunderFX",
               (("bench/attention.py",),), (), ("--seq", "1024", "--masks", "causal,document", "--modes", "fwd+bwd"),
               Chart(("seq", "mask", "mode"), ("as written", "flex triton", "flex flash", "xform", "thunder"), "ms")),
-    Benchmark("cudagraphs", "CUDA graphs: decode step time (charted) and graph-pool memory",
-              (("bench/cudagraphs.py",),), ("--jobs", "6"), ("--only", "decode:plain"),
-              Chart(("case",), ("inductor ms", "reduce-overhead ms", "xform ms", "thunder ms",
-                                "thunder-cudagraphs ms"), "ms a decode step"), table="summary", parts="case"),
+    *(Benchmark(f"cudagraphs_decode_{variant}", f"CUDA graphs: decode step time, {title}",
+                (("bench/cudagraphs.py", "--only", f"decode:{variant}"),), (), ("--only", f"decode:{variant}:1"),
+                DECODE_CHART, table="summary") for variant, title in (("plain", "as written"),
+                                                                     ("sync", "with a host sync in every layer"))),
+    Benchmark("cudagraphs_memory", "CUDA graphs: peak reserved memory where graph pools cost",
+              (("bench/cudagraphs.py", "--only", "memory", "--jobs", "6"),), (), ("--only", "memory:buckets:"),
+              Chart(("case",), ("inductor GiB", "reduce-overhead GiB", "xform GiB"), "GiB peak reserved"),
+              table="summary"),
     Benchmark("distribute", "Distribute: xform vs FSDP2 / DDP / tensor parallelism by hand",
               tuple(("bench/distribute.py", "--strategy", s) for s in ("ddp", "fsdp", "tp", "fsdp+tp")), (),
               ("--layers", "2", "--dim", "1024", "--seq", "512", "--steps", "3"),
@@ -265,22 +274,11 @@ def notes(result: dict[str, Any], bench: Benchmark) -> list[str]:
     return [f"- {key}: {cell(value)}" for key, value in result.items() if key not in shown]
 
 
-def split(rows: Sequence[dict[str, Any]], column: str | None) -> list[list[dict[str, Any]]]:
-    """The rows in groups by the first word of `column` (in the order the groups first appear)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(str(row.get(column, "")).split(":")[0] if column else "", []).append(row)
-    return list(groups.values())
-
-
 def result_text(stem: str, result: dict[str, Any], bench: Benchmark, several: bool) -> list[str]:
     lines = [f"#### `{stem}.json`", ""] if several else []
     lines += [f"Measured on {environment_line(result)}.", ""]
     rows = result.get(bench.table) or []
-    if not rows:
-        lines += ["(no rows)", ""]
-    for part in split(rows, bench.parts):
-        lines += [markdown_table(part), ""]
+    lines += [markdown_table(rows) if rows else "(no rows)", ""]
     extra = notes(result, bench)
     return lines + (extra + [""] if extra else [])
 
