@@ -508,19 +508,10 @@ class FlexAttention(Transform):
                 later.q, later.k, later.v = (new if n is old else n for n in (later.q, later.k, later.v))
 
     def _device_refusal(self, site: AttentionSite, graph: CapturedGraph) -> str | None:
-        q = example_value(site.q)
-        if q.device.type == "cpu" and graph.handoff == "inductor" and any(
-                example_value(n).requires_grad for n in (site.q, site.k, site.v)):
-            return ("it needs a gradient, and flex_attention has no CPU backward (torch: 'FlexAttention does not "
-                    "support backward on CPU'); left as written. On CPU the rewrite runs for inference "
-                    "(torch.no_grad), or with handoff='eager' (flex's reference math)")
-        computed = next((n for t in site.masks + site.biases for n in t.buffer_nodes if n.op != "placeholder"), None)
-        if q.device.type == "cpu" and graph.handoff == "inductor" and computed is not None:
-            return (f"its mask or bias reads '{computed.name}', a tensor computed in the graph, which Inductor's CPU "
-                    f"flex kernel cannot take (torch {torch.__version__}: its CPU lowering reads the mods' tensors "
-                    f"before realizing them, NotImplementedError: Pointwise); left as written. With handoff='eager' "
-                    f"it is rewritten; the CUDA lowering realizes them first")
-        return None
+        if graph.handoff != "inductor":  # the refusals are of Inductor's lowerings; flex's reference math takes all
+            return None
+        device = example_value(site.q).device.type
+        return _inductor_cpu_refusal(site) if device == "cpu" else _inductor_cuda_refusal(site) if device == "cuda" else None
 
     def _backend_for(self, site: AttentionSite) -> str:
         q = example_value(site.q)
@@ -614,6 +605,34 @@ def _block_mask_nodes(graph: CapturedGraph, site: AttentionSite, sizes: tuple[in
     return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how, site.where)
 
 
+def _inductor_cpu_refusal(site: AttentionSite) -> str | None:
+    """Why Inductor's CPU flex kernel cannot take this site, or None."""
+    if any(example_value(n).requires_grad for n in (site.q, site.k, site.v)):
+        return ("it needs a gradient, and flex_attention has no CPU backward (torch: 'FlexAttention does not "
+                "support backward on CPU'); left as written. On CPU the rewrite runs for inference "
+                "(torch.no_grad), or with handoff='eager' (flex's reference math)")
+    computed = next((n for t in site.masks + site.biases for n in t.buffer_nodes if n.op != "placeholder"), None)
+    if computed is not None:
+        return (f"its mask or bias reads '{computed.name}', a tensor computed in the graph, which Inductor's CPU "
+                f"flex kernel cannot take (torch {torch.__version__}: its CPU lowering reads the mods' tensors "
+                f"before realizing them, NotImplementedError: Pointwise); left as written. With handoff='eager' "
+                f"it is rewritten; the CUDA lowering realizes them first")
+    return None
+
+
+def _inductor_cuda_refusal(site: AttentionSite) -> str | None:
+    """Why Inductor's CUDA flex lowering cannot take this site, or None: a mask that reads data in a
+    graph without a backward, which crashed on the H200 (torch 2.11) with either kernel."""
+    if _has_backward(site) or all(t.is_static for t in site.masks):
+        return None
+    return ("its mask reads data (the block mask is built from it on every call), and in a graph with no "
+            "backward Inductor's flex lowering does not keep that data alive for the kernel that reads it: "
+            "on the H200 with torch 2.11 the Triton kernel then hit 'CUDA error: an illegal memory access' "
+            "and the Flash one an UnboundLocalError (pytorch/pytorch#181800); left as written. In training "
+            "it is rewritten; for inference, build the BlockMask outside the compiled model and call "
+            "flex_attention by hand, or compile with handoff='eager'")
+
+
 def _shape_refusal(site: AttentionSite) -> str | None:
     shapes = [tuple(example_value(n).shape) for n in (site.q, site.k, site.v)]
     if any(len(s) != 4 for s in shapes):
@@ -640,9 +659,10 @@ def _flash_missing(site: AttentionSite) -> str | None:
         return f"it takes head dims 8 to 256, this is {q.shape[-1]}"
     if any(example_value(n).requires_grad for t in site.biases for n in t.buffer_nodes):
         return "its backward takes no gradient for tensors a score_mod reads (a learned bias)"
-    backward = torch.is_grad_enabled() and any(example_value(n).requires_grad for n in (site.q, site.k, site.v))
-    if not all(t.is_static for t in site.masks) and not backward:
-        return ("its mask reads data (built per call), and without a backward Inductor's CuTeDSL lowering frees "
-                "that data before the Flash kernel reads it (UnboundLocalError in the compiled code, measured on "
-                "torch 2.11; pytorch/pytorch#181800)")
     return None
+
+
+def _has_backward(site: AttentionSite) -> bool:
+    """Whether the graph will have a backward through this attention: grad mode on and q, k or v
+    needing a gradient (leaves that need one, called under no_grad, give a graph without)."""
+    return torch.is_grad_enabled() and any(example_value(n).requires_grad for n in (site.q, site.k, site.v))
