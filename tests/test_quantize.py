@@ -290,3 +290,23 @@ def test_regression_rowwise_float8_after_a_transpose():
     out = xform.compile(forward, "quantize:float8-rowwise", handoff="eager")(x)
     out.sum().backward()
     assert sqnr(expected, out) >= 20 and type(model[1]).__name__ == "ContiguousInputFloat8Linear"
+
+
+def test_a_recipe_whose_torchao_module_raises_on_import_is_refused_with_the_reason(monkeypatch):
+    """Met on the H200: torchao 0.17's blockwise module imports its CuTeDSL kernels, which raise
+    ModuleNotFoundError against the CuTeDSL FlashAttention-4 brings; that is a refusal naming the
+    recipe and torchao's error, not a crash (it had stopped a whole pytest collection)."""
+    import dataclasses
+
+    import xform.transforms.quantize as quantize
+
+    def broken_import(device, handoff):
+        raise ModuleNotFoundError("No module named 'cutlass.base_dsl._mlir_helpers'")
+
+    monkeypatch.setattr(quantize, "_cached_plan", functools.lru_cache(maxsize=None)(quantize._cached_plan.__wrapped__))
+    monkeypatch.setitem(quantize.RECIPES, "float8-rowwise",
+                        dataclasses.replace(quantize.RECIPES["float8-rowwise"], plan=broken_import))
+    with pytest.raises(QuantizeUnsupported, match=r"recipe 'float8-rowwise' does not run here .*torchao raised "
+                                                   r"ModuleNotFoundError: No module named 'cutlass.base_dsl._mlir_helpers'"
+                                                   r"\. Here, use "):
+        Quantize("float8-rowwise").check("cpu")
