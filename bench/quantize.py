@@ -9,7 +9,9 @@ backward step, inference recipes a forward (prefill) under no_grad. "by hand" is
 writes today: torchao's `convert_to_float8_training` / `quantize_` on the model, then
 `torch.compile`. "bf16 thunder" is the bf16 model through Lightning Thunder's ThunderFX
 (`torch.compile(model, backend=thunder.dynamo.ThunderCompiler())`), "skipped" with the reason where
-thunder does not import. Each row: median step time (CUDA events, interleaved rounds), speed-up
+thunder does not import. `--inductor-option KEY=VALUE` (repeatable) adds an "xform tuned" row per
+recipe, compiled with those Inductor options (say `triton.tile_reductions=true`), timed in the
+same rounds: one device call tries a config against the default. Each row: median step time (CUDA events, interleaved rounds), speed-up
 over bf16, the memory a step needs beyond what is allocated before it, and the weights' bytes.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -35,6 +38,7 @@ from xform.linear_layers import tensor_bytes  # noqa: E402
 from xform.transforms import RECIPES, Quantize, QuantizeUnsupported  # noqa: E402
 
 TOKENS, DIM, HIDDEN = 8192, 4096, 14336
+TUNED: dict[str, object] = {}  # --inductor-option's, for the "xform tuned" rows
 
 
 class SwiGLU(nn.Module):
@@ -109,7 +113,8 @@ def compiler(variant: str, recipe: str | None) -> Callable[[nn.Module], Callable
         return torch.compile
     if variant == "torchao by hand":
         return lambda model: by_hand(model, recipe)
-    return lambda model: xform.compile(model, f"quantize:{recipe}")
+    options = TUNED if variant == "xform tuned" else None
+    return lambda model: xform.compile(model, f"quantize:{recipe}", inductor_options=options)
 
 
 def prepare(kind: str, variant: str, recipe: str | None, training: bool) -> tuple[nn.Module, object]:
@@ -154,14 +159,27 @@ def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, ro
     return rows
 
 
+def inductor_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--inductor-option takes KEY=VALUE, not {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["ffn", "block"], default="ffn")
     parser.add_argument("--recipes", default="all", help="comma-separated recipe names, or 'all'")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--inductor-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an Inductor option for the 'xform tuned' rows (the value read as JSON, else a string)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     recipes = list(RECIPES) if args.recipes == "all" else args.recipes.split(",")
+    TUNED.update(inductor_option(o) for o in args.inductor_option)
 
     rows, refused = [], {}
     for mode in ("train", "infer"):
@@ -180,21 +198,22 @@ def main() -> None:
             continue
         rows += measure(args.model, [("bf16 inductor", None), ("bf16 thunder", None)], mode == "train", args.rounds)
         for recipe in runnable:
-            rows += measure(args.model, [("torchao by hand", recipe), ("xform", recipe)], mode == "train", args.rounds)
-            write_result(f"quantize_{args.model}", rows, args.out, refused=refused, partial=True)
+            variants = ["torchao by hand", "xform"] + (["xform tuned"] if TUNED else [])
+            rows += measure(args.model, [(v, recipe) for v in variants], mode == "train", args.rounds)
+            write_result(f"quantize_{args.model}", rows, args.out, refused=refused, tuned=TUNED or None, partial=True)
     baselines = {r["mode"]: r for r in rows if r["variant"] == "bf16 inductor"}
     for row in rows:
         if "ms" in row:
             row["speedup_vs_bf16"] = round(baselines[row["mode"]]["ms"] / row["ms"], 3)
     for row in rows:
         hand = next((r for r in rows if r["recipe"] == row["recipe"] and r["variant"] == "torchao by hand"), None)
-        if row["variant"] == "xform" and hand and "ms" in hand and "ms" in row:
+        if row["variant"] in ("xform", "xform tuned") and hand and "ms" in hand and "ms" in row:
             row["xform_vs_by_hand"] = round(hand["ms"] / row["ms"], 3)
     print_table(rows, ["model", "mode", "recipe", "variant", "ms", "speedup_vs_bf16", "xform_vs_by_hand",
                        "step_peak_gib", "weights_gib", "error", "skipped"])
     for recipe, why in refused.items():
         print(f"not run: {recipe}: {why}")
-    print("results:", write_result(f"quantize_{args.model}", rows, args.out, refused=refused))
+    print("results:", write_result(f"quantize_{args.model}", rows, args.out, refused=refused, tuned=TUNED or None))
 
 
 if __name__ == "__main__":

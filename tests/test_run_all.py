@@ -221,3 +221,13 @@ def test_the_thunder_peer_compiles_with_thunderfx_where_thunder_imports():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
     x = torch.randn(2, 8)
     torch.testing.assert_close(thunder_compile()(model)(x), model(x))
+
+
+def test_quantize_bench_reads_inductor_options_for_its_tuned_rows():
+    sys.path.insert(0, str(Path(run_all.ROOT) / "bench"))
+    import quantize
+
+    assert quantize.inductor_option("triton.tile_reductions=true") == ("triton.tile_reductions", True)
+    assert quantize.inductor_option("max_autotune_gemm_backends=TRITON") == ("max_autotune_gemm_backends", "TRITON")
+    with pytest.raises(SystemExit, match="--inductor-option takes KEY=VALUE, not 'tile_reductions'"):
+        quantize.inductor_option("tile_reductions")
