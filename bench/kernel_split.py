@@ -1,0 +1,76 @@
+"""Where a quantized step's GPU time goes: GEMMs, Triton kernels (Inductor's casts and fusions),
+everything else; ms a step, from `torch.profiler`, per configuration of bench/quantize.py.
+
+    python bench/kernel_split.py --model ffn --configs "bf16 inductor:,xform:float8-tensorwise,xform:float8-rowwise"
+
+A configuration is `variant:recipe` as bench/quantize.py names them (`torchao by hand`, `xform`,
+`xform tuned` with `--inductor-option`; no recipe for the bf16 variants). Each is prepared (compiled
+and run once), warmed up 3 steps, then profiled over `--steps` steps; a kernel is a GEMM when its
+name says so (cuBLAS's nvjet and gemm kernels, CUTLASS), Triton when Inductor generated it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quantize  # noqa: E402
+from common import print_table, write_result  # noqa: E402
+
+GEMM_MARKS = ("nvjet", "gemm", "cutlass", "sm90_xmma")
+
+
+def kind(kernel: str) -> str:
+    if any(mark in kernel.lower() for mark in GEMM_MARKS):
+        return "gemm"
+    return "triton" if kernel.startswith("triton") else "other"
+
+
+def split(run, steps: int) -> dict[str, float]:
+    """ms a step of each kind of kernel, over `steps` profiled steps."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    totals = {"gemm": 0.0, "triton": 0.0, "other": 0.0}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[kind(event.name)] += event.device_time_total / 1000
+    return {f"{k} ms": round(v / steps, 3) for k, v in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["ffn", "block"], default="ffn")
+    parser.add_argument("--configs", default="bf16 inductor:,xform:float8-tensorwise,xform:float8-rowwise")
+    parser.add_argument("--inductor-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    quantize.TUNED.update(quantize.inductor_option(o) for o in args.inductor_option)
+    rows = []
+    for config in args.configs.split(","):
+        variant, _, recipe = config.partition(":")
+        training = recipe == "" or quantize.RECIPES[recipe].training
+        model, run = quantize.prepare(args.model, variant, recipe or None, training)
+        rows.append({"model": args.model, "variant": variant, "recipe": recipe or "bf16", **split(run, args.steps)})
+        print(rows[-1], flush=True)
+        del model, run
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    print_table(rows, list(rows[0]))
+    print("results:", write_result(f"kernel_split_{args.model}", rows, args.out, tuned=quantize.TUNED or None))
+
+
+if __name__ == "__main__":
+    main()
