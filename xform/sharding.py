@@ -160,9 +160,11 @@ class ShardedParameter(torch.Tensor):
         if is_local(func) or "out" in kwargs:
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
-            if getattr(func, "__name__", "") in _KEEPS_TYPE and isinstance(out, torch.Tensor):
-                return _as_sharded(out, args[0].shards)
-            return out
+            if getattr(func, "__name__", "") not in _KEEPS_TYPE or not isinstance(out, torch.Tensor):
+                return out
+            # a no-op copy (`bias.to(bias.dtype)`) is the parameter itself: given back as `args[0]`,
+            # since while Dynamo traces this `out` is the same tensor without its subclass
+            return args[0] if out is args[0] else _as_sharded(out, args[0].shards)
         full = torch.utils._pytree.tree_map(
             lambda a: gather_all(a, a.shards) if isinstance(a, ShardedParameter) else a, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
@@ -177,7 +179,14 @@ class ShardedParameter(torch.Tensor):
 
 
 def _as_sharded(local: torch.Tensor, shards: tuple[ShardSpec, ...]) -> ShardedParameter:
-    shard = torch.Tensor._make_subclass(ShardedParameter, local, local.requires_grad)
+    """`local` as a ShardedParameter cut as `shards` say. A copy that autograd made (`weight.to(bf16)`
+    in a forward) keeps its place in the graph, or the parameter would get no gradient through it:
+    `as_subclass` aliases it. A leaf (a detach, a fresh cut) is rewrapped by `_make_subclass`
+    instead, which makes no view (Dynamo would guard a view's `_base` too) but detaches."""
+    if not local.is_leaf:
+        shard = local.as_subclass(ShardedParameter)
+    else:
+        shard = torch.Tensor._make_subclass(ShardedParameter, local, local.requires_grad)
     shard.shards = shards
     return shard
 
