@@ -290,6 +290,15 @@ def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path, pa
 
 
 @pytest.mark.slow
+def test_corpus_models_under_every_strategy_with_cudagraphs_replay_as_in_one_process(tmp_path):
+    """cudagraphs on the simulated recorder (tests/test_cudagraphs.py): every run's third step is
+    a replay, whose pool is scribbled over first; each case must have replayed."""
+    result = corpus(tmp_path, "--strategies", "ddp,fsdp,tp", "--first", "0", "--models", "3", "--with", "cudagraphs")
+    assert result["cases"] == 9 and result["problems"] == [], result["problems"]
+    assert len(result["replays"]) == 9 and all(n > 0 for n in result["replays"].values()), result["replays"]
+
+
+@pytest.mark.slow
 def test_regression_float8_rowwise_under_fsdp_and_tp_after_a_retrace_through_float8_linear(tmp_path):
     # corpus seed 4 (attention, mlp, .item()): from the second call the item block's Block.forward
     # entry (broken at `self.compute(x)`, so not guarded on the block's kind) served the other

@@ -7,8 +7,10 @@ this process; rank 0 writes what differed.
 Every rank sees the same batch, so data-parallel ranks average identical gradients and every
 strategy must reproduce the one-process run: its outputs and input gradients at each step (after
 the first, the outputs also check the parameters' gradients, through the updates they made).
-`--with flex-attention` (or `cast:bf16`) pairs each strategy with that transform; the one-process
-run then has it too (compiled, as the other transforms left the model).
+`--with flex-attention` (or `cast:bf16`, ...) pairs each strategy with that transform; the one-process
+run then has it too (compiled, as the other transforms left the model). `--with cudagraphs`
+records on tests/test_cudagraphs.py's simulated recorder (the CPU as the recorded device, its
+pool scribbled over before every replay), so the third step of each run is a replay.
 """
 
 from __future__ import annotations
@@ -26,16 +28,26 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from corpus import random_model  # noqa: E402
+from test_cudagraphs import SimulatedRecorder  # noqa: E402
 from test_quantize import sqnr  # noqa: E402
 
 import xform  # noqa: E402
+import xform.transforms.cudagraphs as cudagraphs  # noqa: E402
+from xform.transforms import CudaGraphs  # noqa: E402
 
 STEPS, LR = 3, 0.05
 # how close to the one-process run: an allclose tolerance, or for float8 (scales of row-parallel
 # activations taken over each rank's part of the features) a minimum SQNR in dB
-TOLERANCE = {"": 1e-4, "flex-attention": 1e-4, "cast:bf16": 2e-2}  # bf16: partial sums rounded across ranks
+TOLERANCE = {"": 1e-4, "flex-attention": 1e-4, "cudagraphs": 1e-4, "cast:bf16": 2e-2}  # bf16: partial sums rounded across ranks
 MIN_DB = {"quantize:float8-rowwise": 20.0}
 FIRST = ("cast:bf16", "quantize:float8-rowwise")  # they make the weights distribute shards: before it
+
+
+def paired(name: str) -> list[str | CudaGraphs]:
+    """The transform to pair with, fresh for each run: cudagraphs as an object, to count its replays."""
+    if name == "cudagraphs":
+        return [CudaGraphs()]
+    return [name] if name else []
 
 
 def differs(expected: torch.Tensor, got: torch.Tensor, paired: str) -> str | None:
@@ -75,30 +87,34 @@ def main() -> None:
                         help="a transform to pair every strategy with")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    cases, problems = 0, []
+    if args.paired == "cudagraphs":
+        cudagraphs.available_recorder = SimulatedRecorder
+    cases, replays, problems = 0, {}, []
     for seed in range(args.first, args.first + args.models):
         model, x = random_model(seed)
-        paired = [args.paired] if args.paired else []
         reference = copy.deepcopy(model)
-        expected = train(xform.compile(reference, *paired, handoff="eager") if paired else reference, reference, x)
+        expected = train(xform.compile(reference, *paired(args.paired), handoff="eager") if args.paired else reference,
+                         reference, x)
         for strategy in args.strategies.split(","):
             torch._dynamo.reset()
             candidate = copy.deepcopy(model)
-            specs = [f"distribute:{strategy}", *paired]
-            case = f"seed {seed} ({model.kinds}) {'+'.join(specs)}"
+            transforms = [f"distribute:{strategy}", *paired(args.paired)]
+            case = f"seed {seed} ({model.kinds}) distribute:{strategy}{'+' + args.paired if args.paired else ''}"
             cases += 1
             try:
-                got = train(xform.compile(candidate, *(specs[::-1] if args.paired in FIRST else specs),
+                got = train(xform.compile(candidate, *(transforms[::-1] if args.paired in FIRST else transforms),
                                           handoff="eager"), candidate, x)
             except Exception as error:  # a crash is a finding too: recorded, and the sweep goes on
                 problems.append(f"{case}: {type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
                 continue
+            replays[case] = sum(f.stats.replays for t in transforms if isinstance(t, CudaGraphs) for f in t.functions)
             for step, (e, a) in enumerate(zip(expected, got)):
                 if (why := differs(e, a, args.paired)) is not None:
                     problems.append(f"{case}: step {step} output or input gradient: {why}")
                     break
     if dist.get_rank() == 0:
-        args.out.write_text(json.dumps({"world": dist.get_world_size(), "cases": cases, "problems": problems}))
+        args.out.write_text(json.dumps({"world": dist.get_world_size(), "cases": cases, "replays": replays if args.paired == "cudagraphs" else None,
+                                              "problems": problems}))
     dist.barrier()
     dist.destroy_process_group()
 
