@@ -102,3 +102,14 @@ def step_peak_gib(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def inductor_option(text: str) -> tuple[str, object]:
+    """`KEY=VALUE` of a command line's --inductor-option: the value read as JSON (true, 3), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--inductor-option takes KEY=VALUE, not {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quantize  # noqa: E402
-from common import print_table, write_result  # noqa: E402
+from common import inductor_option, print_table, write_result  # noqa: E402
 
 GEMM_MARKS = ("nvjet", "gemm", "cutlass", "sm90_xmma")
 
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    quantize.TUNED.update(quantize.inductor_option(o) for o in args.inductor_option)
+    quantize.TUNED.update(inductor_option(o) for o in args.inductor_option)
     rows = []
     for config in args.configs.split(","):
         variant, _, recipe = config.partition(":")

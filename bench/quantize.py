@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Skipped, cuda_ms, print_table, step_peak_gib, thunder_compile, write_result  # noqa: E402
+from common import Skipped, cuda_ms, inductor_option, print_table, step_peak_gib, thunder_compile, write_result  # noqa: E402
 from models import DecoderLayer, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402
@@ -157,16 +156,6 @@ def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, ro
     torch.cuda.empty_cache()
     torch._dynamo.reset()
     return rows
-
-
-def inductor_option(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--inductor-option takes KEY=VALUE, not {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
 
 
 def main() -> None:

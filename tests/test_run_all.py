@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import run_all
-from bench.common import Skipped, or_skipped, thunder_compile
+from bench.common import Skipped, inductor_option, or_skipped, thunder_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB = '''
@@ -223,11 +223,8 @@ def test_the_thunder_peer_compiles_with_thunderfx_where_thunder_imports():
     torch.testing.assert_close(thunder_compile()(model)(x), model(x))
 
 
-def test_quantize_bench_reads_inductor_options_for_its_tuned_rows():
-    sys.path.insert(0, str(Path(run_all.ROOT) / "bench"))
-    import quantize
-
-    assert quantize.inductor_option("triton.tile_reductions=true") == ("triton.tile_reductions", True)
-    assert quantize.inductor_option("max_autotune_gemm_backends=TRITON") == ("max_autotune_gemm_backends", "TRITON")
+def test_bench_scripts_read_inductor_options_as_json_else_as_strings():
+    assert inductor_option("triton.tile_reductions=true") == ("triton.tile_reductions", True)
+    assert inductor_option("max_autotune_gemm_backends=TRITON") == ("max_autotune_gemm_backends", "TRITON")
     with pytest.raises(SystemExit, match="--inductor-option takes KEY=VALUE, not 'tile_reductions'"):
-        quantize.inductor_option("tile_reductions")
+        inductor_option("tile_reductions")
