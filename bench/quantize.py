@@ -11,8 +11,9 @@ writes today: torchao's `convert_to_float8_training` / `quantize_` on the model,
 (`torch.compile(model, backend=thunder.dynamo.ThunderCompiler())`), "skipped" with the reason where
 thunder does not import. `--inductor-option KEY=VALUE` (repeatable) adds an "xform tuned" row per
 recipe, compiled with those Inductor options (say `triton.tile_reductions=true`), timed in the
-same rounds: one device call tries a config against the default. Each row: median step time (CUDA events, interleaved rounds), speed-up
-over bf16, the memory a step needs beyond what is allocated before it, and the weights' bytes.
+same rounds: one device call tries a config against the default. Each row: median step time
+(CUDA events, interleaved rounds), speed-up over bf16, the memory a step needs beyond what is
+allocated before it, and the weights' bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Skipped, cuda_ms, inductor_option, print_table, step_peak_gib, thunder_compile, write_result  # noqa: E402
+from common import (Skipped, cuda_ms, inductor_option, print_table, step_peak_gib, thunder_compile,  # noqa: E402
+                    write_result)
 from models import DecoderLayer, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402

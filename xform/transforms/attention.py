@@ -510,8 +510,8 @@ class FlexAttention(Transform):
     def _device_refusal(self, site: AttentionSite, graph: CapturedGraph) -> str | None:
         if graph.handoff != "inductor":  # the refusals are of Inductor's lowerings; flex's reference math takes all
             return None
-        device = example_value(site.q).device.type
-        return _inductor_cpu_refusal(site) if device == "cpu" else _inductor_cuda_refusal(site) if device == "cuda" else None
+        refusal = {"cpu": _inductor_cpu_refusal, "cuda": _inductor_cuda_refusal}.get(example_value(site.q).device.type)
+        return refusal(site) if refusal else None
 
     def _backend_for(self, site: AttentionSite) -> str:
         q = example_value(site.q)
