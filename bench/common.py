@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import sys
@@ -113,3 +114,11 @@ def inductor_option(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def release_compiled() -> None:
+    """Free what finished configurations held (their graphs, caches, GPU memory) before the next one
+    is measured, so that none is timed or counted with another's memory."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()

@@ -12,7 +12,6 @@ name says so (cuBLAS's nvjet and gemm kernels, CUTLASS), Triton when Inductor ge
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quantize  # noqa: E402
-from common import inductor_option, print_table, write_result  # noqa: E402
+from common import inductor_option, print_table, release_compiled, write_result  # noqa: E402
 
 GEMM_MARKS = ("nvjet", "gemm", "cutlass", "sm90_xmma")
 
@@ -65,9 +64,7 @@ def main() -> None:
         rows.append({"model": args.model, "variant": variant, "recipe": recipe or "bf16", **split(run, args.steps)})
         print(rows[-1], flush=True)
         del model, run
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        release_compiled()
     print_table(rows, list(rows[0]))
     print("results:", write_result(f"kernel_split_{args.model}", rows, args.out, tuned=quantize.TUNED or None))
 

@@ -19,7 +19,6 @@ allocated before it, and the weights' bytes.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 from pathlib import Path
@@ -30,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Skipped, cuda_ms, inductor_option, print_table, step_peak_gib, thunder_compile,  # noqa: E402
-                    write_result)
+from common import (Skipped, cuda_ms, inductor_option, print_table, release_compiled, step_peak_gib,  # noqa: E402
+                    thunder_compile, write_result)
 from models import DecoderLayer, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402
@@ -154,9 +153,7 @@ def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, ro
         rows.append(row)
         print(row, flush=True)
     prepared.clear()
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch._dynamo.reset()
+    release_compiled()
     return rows
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import xform
 from xform.transforms import FlexAttention
-from models import TransformerBlock
+from models import AsModule, TransformerBlock
 
 B, H, S, D = 2, 4, 64, 16
 KV_HEADS = 2
@@ -104,17 +104,6 @@ PATTERNS = {
     hand_alibi: "hand-written -> flex_attention (causal + ALiBi-style per-head bias",
     hand_hf_eager: "hand-written -> flex_attention (causal + additive bias",
 }
-
-
-class Written(torch.nn.Module):
-    """A hand-written attention function as a module: what its report is kept by."""
-
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, q, k, v, extra):
-        return self.fn(q, k, v, extra)
 
 
 def inputs(requires_grad: bool):
@@ -315,7 +304,7 @@ def test_a_data_mask_without_a_backward_stays_as_written_under_inductor_on_cuda(
     monkeypatch.setattr(attention, "_inductor_cpu_refusal", attention._inductor_cuda_refusal)
     monkeypatch.setattr(attention.FlexAttention, "_backend_for", lambda self, site: "cpu")
     q, k, v, extra = inputs(requires_grad)  # leaves needing a gradient, called under no_grad: no backward
-    model = Written(hand_document)  # a module of its own: a function's report gathers every compile of it
+    model = AsModule(hand_document)  # a module of its own: a function's report gathers every compile of it
     compiled = xform.compile(model, "flex-attention", handoff="eager")
     monkeypatch.setattr(xform.handoff.EagerHandoff, "name", "inductor")  # the refusal is Inductor's
     with torch.set_grad_enabled(training):

@@ -13,16 +13,8 @@ import xform
 import xform.transforms.cudagraphs as cudagraphs
 from xform.transforms import CudaGraphs
 
+from models import AsModule
 from test_cudagraphs import SimulatedRecorder
-
-class _AsModule(torch.nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "cudagraph-failures.md"
 SECTIONS = re.findall(r"^## (.+?)\n\n```python\n(.+?)```\n\nReason: `([^`]+)`", PAGE.read_text(), re.M | re.S)
@@ -38,7 +30,7 @@ def test_repro_is_explained_with_the_quoted_reason(monkeypatch, title, code, rea
     namespace = {"torch": torch, "device": "cpu"}
     exec(code, namespace)
     inputs = namespace["inputs"]
-    step = _AsModule(namespace["step"])  # the report keys on the module (exec'd code differs by torch version)
+    step = AsModule(namespace["step"])  # the report keys on the module (exec'd code differs by torch version)
     with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
         compiled = torch.compile(step, backend=xform.Backend([CudaGraphs(min_region_ops=1)], handoff="eager"),
                                  dynamic=namespace.get("dynamic", False))
