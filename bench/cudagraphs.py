@@ -17,6 +17,7 @@ after another on the same GPU (memory runs several at a time with `--jobs`):
 
     python bench/cudagraphs.py [--out DIR] [--only decode]   # all of it, or part (needs a CUDA GPU)
     python bench/cudagraphs.py --only memory --jobs 6        # memory runs 6 processes at a time
+    python bench/cudagraphs.py --only sync:1:xform,sync:1:reduce  # those configurations
     python bench/cudagraphs.py --one decode:sync:1:xform     # one configuration, prints its JSON
 
 `--jobs` overlaps only memory runs (a peak is per process, so it does not mix; their seconds do);
@@ -82,7 +83,9 @@ def replay_stats() -> dict[str, int]:
     return {"functions": len(functions), "recordings": sum(f.stats.recordings for f in functions),
             "replays": sum(f.stats.replays for f in functions),
             "uncaptured_calls": sum(f.stats.uncaptured_calls for f in functions),
-            "fallbacks": sum(f.stats.fallback is not None for f in functions)}
+            "fallbacks": sum(f.stats.fallback is not None for f in functions),
+            "moved_mib": round(sum(f.stats.moved_bytes for f in functions) / 2**20, 1),
+            "copied_in_mib": round(sum(f.stats.copied_in_bytes for f in functions) / 2**20, 1)}
 
 
 def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int = 5) -> dict[str, Any]:
@@ -228,7 +231,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one", help="run one configuration in this process and print its JSON")
-    parser.add_argument("--only", help="run only the configurations whose name contains this (e.g. decode, :8:)")
+    parser.add_argument("--only", help="run only the configurations whose name contains this (e.g. decode, :8:), "
+                                       "or one of these, comma-separated")
     parser.add_argument("--out", type=Path, help="directory for the JSON result (default bench/results)")
     parser.add_argument("--jobs", type=int, default=1, help="memory runs at a time (default 1)")
     args = parser.parse_args()
@@ -237,8 +241,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("bench/cudagraphs.py needs a CUDA GPU")
-    specs = [s for s in DECODE + MEMORY if args.only is None or args.only in s]
-    name = "cudagraphs" + ("_" + args.only.strip(":").replace(":", "_") if args.only else "")
+    wanted = args.only.split(",") if args.only else None
+    specs = [s for s in DECODE + MEMORY if wanted is None or any(w in s for w in wanted)]
+    name = "cudagraphs" + ("_" + "_".join(w.strip(":").replace(":", "_") for w in wanted) if wanted else "")
     rows = run_all(specs, args.jobs, lambda rows: write_result(name, rows, args.out, summary=summarize(rows),
                                                                partial=True))
     table = summarize(rows)

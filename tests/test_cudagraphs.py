@@ -25,12 +25,21 @@ import xform.transforms.cudagraphs as cudagraphs
 from xform.capture_safety import find_breaks
 from xform.fxgraph import quotient_is_acyclic, to_digraph
 from xform.regions import plan_regions
-from xform.replay import Recorded
+from xform.handouts import handouts, merge_ranges
+from xform.replay import Recorded, unowned
 from xform.transforms import CudaGraphs
 
 
 def _scribble(t: torch.Tensor) -> None:
     t.fill_(float("nan") if t.is_floating_point() else 7)
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=t.dtype).set_(unowned(t.untyped_storage()), t.storage_offset(), t.shape, t.stride())
 
 
 class SimulatedRecorder:
@@ -45,30 +54,38 @@ class SimulatedRecorder:
         if self.fail is not None:
             raise self.fail
         self.recorded += 1
-        static = list(inputs)
+        # a graph reads its in-place inputs at their addresses, and holds none of them
+        static = [_unowned(t) if isinstance(t, torch.Tensor) else t for t in inputs]
         for i in copied:
             static[i] = torch.empty_like(inputs[i])
         outputs = run(static)
-        caller = {t.untyped_storage().data_ptr() for i, t in enumerate(inputs) if i not in copied
-                  and isinstance(t, torch.Tensor)}
-        mine = [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller]
+        caller = {_address(t) for i, t in enumerate(inputs) if i not in copied and isinstance(t, torch.Tensor)}
+        mine = [o for o in outputs if isinstance(o, torch.Tensor) and _address(o) not in caller]
         own_inputs = [static[i] for i in copied]
         self.pool += own_inputs + mine
-        written = {t.untyped_storage().data_ptr() for t in own_inputs}
+        # as the allocator: the graph may write the whole pool but the blocks in use now, the owned
+        # outputs alive in it (it believes an unowned one free)
+        live = [(start, end) for start, end, owned in handouts.alive() if owned]
+        writable = [t for t in self.pool if not any(start <= _address(t) < end for start, end in live)]
+        written = {_address(t) for t in own_inputs}
 
         def replay():
-            for t in self.pool:
-                if t.untyped_storage().data_ptr() not in written:
+            for t in writable:
+                if _address(t) not in written:
                     _scribble(t)
             for out, new in zip(mine, [o for o in run(static) if isinstance(o, torch.Tensor)
-                                       and o.untyped_storage().data_ptr() not in caller]):
+                                       and _address(o) not in caller]):
                 out.copy_(new)
 
-        return Recorded(replay, own_inputs, outputs)
+        # the recording's outputs, owned by the sim (which scribbles over them) and handed out as
+        # views that die with the caller's last reference, as the allocator's blocks would
+        handed = [_unowned(o) if any(o is m for m in mine) else o for o in outputs]
+        return Recorded(replay, own_inputs, handed,
+                        merge_ranges((_address(t), _address(t) + t.untyped_storage().nbytes()) for t in writable))
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is memory of the simulated pool."""
-        return any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in self.pool)
+        return any(_address(t) == _address(p) for p in self.pool)
 
 
 @pytest.fixture
@@ -210,9 +227,25 @@ def test_a_later_replay_never_changes_an_earlier_output(recorder):
         outputs = [step(x) for x in inputs]  # every output still held when the next call runs
         for x, out in zip(inputs, outputs):
             torch.testing.assert_close(out, model(x))
-    assert not any(recorder.holds(out) for out in outputs)  # the caller's own tensors, none in the pool
+    # the warm-up's output is ordinary memory; each replay's is handed out in the pool, and moved
+    # out (copied once) by the next replay, which writes there: only the last is still in place
+    assert [recorder.holds(out) for out in outputs] == [False, False, False, False, True]
     stats = transform.functions[0].stats
     assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (1, 4, 0)  # one recording serves all
+    assert stats.moved_bytes == 3 * outputs[0].untyped_storage().nbytes()
+
+
+def test_outputs_dropped_before_the_next_replay_are_never_copied(recorder):
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 8)
+            out = step(x)
+            torch.testing.assert_close(out, model(x))
+            in_pool = recorder.holds(out)
+            del out
+    assert in_pool and transform.functions[0].stats.moved_bytes == 0
 
 
 def test_saved_tensors_and_gradients_survive_later_replays(recorder):
@@ -237,6 +270,36 @@ def test_saved_tensors_and_gradients_survive_later_replays(recorder):
     assert all(f.stats.recordings == 1 and f.stats.replays == 5 for f in transform.functions)
 
 
+def test_a_recording_made_while_an_output_is_held_moves_it_out_first(recorder):
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        step(x), step(x)  # warm-up, recording
+        held = step(x)  # a replay's output, which the allocator believes free
+        expected = held.clone()
+        model[0].weight.data = torch.randn(32, 8)  # a new signature: its first call runs uncaptured,
+        for _ in range(2):  # its second is recorded
+            torch.testing.assert_close(step(x), model(x))
+    torch.testing.assert_close(held, expected)
+    assert transform.functions[0].stats.recordings == 2 and not recorder.holds(held)
+
+
+def test_a_layer_reads_the_previous_layers_output_in_place(recorder):
+    model, transform = nn.Sequential(*[Layer() for _ in range(3)]).eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(step(x), model(x))
+    (layers,) = [f for f in transform.functions if f.stats.recordings == 3]
+    # the first call warms up (each layer's first call runs uncaptured), the second records: only
+    # layer 0 copies its input in (the caller's), in its 3 replays; layers 1 and 2 read theirs where
+    # the layer before left it, in the pool
+    assert layers.stats.copied_in_bytes == 3 * x.numel() * x.element_size()
+    assert layers.stats.moved_bytes == 0
+
+
 def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):
     model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
     step = compiled(model, transform)
@@ -245,7 +308,8 @@ def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):
         for _ in range(3):
             step(x)
         model[0].weight.data = torch.randn(32, 8)  # a new address; Dynamo's guards do not see it
-        torch.testing.assert_close(step(x), model(x))
+        for _ in range(2):  # run uncaptured, then recorded
+            torch.testing.assert_close(step(x), model(x))
     assert transform.functions[0].stats.recordings == 2
 
 
@@ -369,5 +433,5 @@ def test_one_graph_serving_many_layers_records_each_layer(recorder):
             x = torch.randn(4, 8)
             torch.testing.assert_close(step(x), model(x))
     layer_graph = next(f for f in transform.functions if f.stats.recordings > 1)
-    # warm-up on the first layer's call, then one recording per layer's parameters, all replayed
+    # the first call runs each layer uncaptured (a warm-up per parameters), then one recording each
     assert (layer_graph.stats.recordings, layer_graph.stats.uncaptured_calls) == (6, 0)

@@ -30,7 +30,7 @@ def test_inference_replays_and_matches_eager():
     assert function.stats.replays == 5 and function.stats.recordings == 1 and function.stats.fallback is None
 
 
-def test_held_outputs_are_never_overwritten_and_are_all_that_replays_allocate():
+def test_held_outputs_are_never_overwritten_and_only_held_ones_are_copied():
     model, transform = mlp().eval(), CudaGraphs()
     step = torch.compile(model, backend=xform.Backend([transform]))
     inputs = [torch.randn(8, 64, device="cuda") for _ in range(7)]
@@ -40,11 +40,38 @@ def test_held_outputs_are_never_overwritten_and_are_all_that_replays_allocate():
         before = torch.cuda.memory_allocated()
         outputs = [step(x) for x in inputs[2:]]  # all held at once
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() - before == sum(o.untyped_storage().nbytes() for o in outputs)
+        # each replay's output is handed out in the pool; the next replay moves the one before out
+        # of its way (an ordinary allocation): all but the last are copies, the last is in place
+        assert torch.cuda.memory_allocated() - before == sum(o.untyped_storage().nbytes() for o in outputs[:-1])
         for x, out in zip(inputs[2:], outputs):
             torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+        dropped = [step(x).sum().item() for x in inputs]  # read, then dropped: nothing to move
     stats = transform.functions[0].stats
-    assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (1, 6, 0)
+    assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (1, 6 + 7, 0)
+    assert stats.moved_bytes == sum(o.untyped_storage().nbytes() for o in outputs) and len(dropped) == 7
+
+
+def test_an_output_held_across_another_graphs_replay_keeps_its_values():
+    # two graphs share the pool: b's recording took the memory a's outputs had used, since none
+    # was alive then; a's next output, held while b replays, must be moved out of b's way
+    a, b = mlp().eval(), mlp().eval()
+    step_a = torch.compile(a, backend=xform.Backend([CudaGraphs()]))
+    step_b = torch.compile(b, backend=xform.Backend([CudaGraphs()]))
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for step in (step_a, step_a, step_b, step_b):  # warm-up and recording of each, outputs dropped
+            step(x)
+        for _ in range(3):
+            held = step_a(x)
+            expected = a(x)
+            torch.testing.assert_close(step_b(x), b(x), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(held, expected, atol=1e-4, rtol=1e-4)
+        held = step_a(x)
+        expected = held.clone()
+        a[0].weight.data = torch.randn_like(a[0].weight)  # a new signature, recorded while `held` lives
+        for _ in range(2):
+            torch.testing.assert_close(step_a(x), a(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(held, expected)
 
 
 class BreakLayer(nn.Module):
@@ -77,6 +104,11 @@ def test_recordings_hold_no_memory_between_training_steps():
     stats = [f.stats for f in transform.functions]
     assert all(s.fallback is None and s.uncaptured_calls == 0 for s in stats)
     assert {s.name.split()[0] for s in stats if s.recordings} == {"forward", "backward"}
+    # the forward's saved activations stay in the pool and the backward reads them there: nothing
+    # is moved, and in each of the 3 replayed steps only ordinary memory is copied in: the caller's
+    # input (to the first layer's forward and, saved, its backward) and the loss's gradient
+    assert sum(s.moved_bytes for s in stats) == 0
+    assert sum(s.copied_in_bytes for s in stats) <= 3 * 3 * x.numel() * x.element_size()
     # what stays is cuBLAS's workspaces for the capture stream (one per thread: forward, backward),
     # nothing per recording
     left = torch.cuda.memory_allocated() - start

@@ -1,25 +1,26 @@
 """Record a compiled region function as CUDA graphs and replay them, safely, from one memory pool.
 
-Memory: every graph xform records on a device shares one pool, and no pool memory is live between
-replays. A replay copies the inputs it cannot read in place into the pool, runs the graph, and
-copies the graph's outputs out of the pool into fresh ordinary allocations (one `_foreach_copy_`
-each way). A recording keeps addresses in the pool, not allocations: the pool is as large as the
-largest graph needs, not the sum over graphs, graphs may replay in any order, and every replay's
-outputs are the caller's own tensors, which no later replay overwrites, so one recording per
-signature serves callers that hold outputs (a backward's gradients, a list of logits). The cost:
-each output is written twice (by the graph, then by the copy), and the inputs other than module
-state are copied in. A graph cannot read the previous graph's output where that graph left it,
-since the next graph's intermediates may overwrite it in the pool; avoiding that copy would need
-the lifetimes of outputs planned across graphs (as CUDA Graph Trees do, at the price of private
-memory per path).
+Memory: every graph xform records on a device shares one pool, and a replay hands its outputs out
+where the graph wrote them, in the pool, with no copy (as CUDA Graph Trees do). A recording keeps
+addresses in the pool, not allocations: the pool is as large as the largest graph needs, not the
+sum over graphs, and graphs may replay in any order. What keeps a handed-out output from being
+overwritten by a later replay is `xform.handouts`: each recording knows the pool ranges it may
+write (the pool memory that was free while it was recorded), and before it replays, the outputs
+still alive in those ranges are moved out into ordinary memory (copied once, the caller's tensors
+repointed). Outputs that die before the next replay (logits read and dropped, activations the
+backward releases) are never copied; one recording per signature still serves callers that hold
+outputs (a list of logits, accumulated gradients), at the price of one copy each.
 
-Inputs: parameters and buffers have stable addresses and are read in place; the other inputs are
-copied in. A replay first checks its signature: the addresses of the in-place inputs and the
-sizes, strides and dtypes of the copied ones (and the values of numbers). A new signature records
-a new graph: one compiled function may serve many signatures (Dynamo compiles a layer's code once
-for all the layers, each with its own parameters), up to `max_signatures`, beyond which calls run
-the compiled function uncaptured. A recording that fails leaves the region uncaptured for good;
-the report says why. Each step still completes.
+Inputs: parameters and buffers have stable addresses and are read in place, and so are outputs of
+an earlier recording that are alive in the pool when this one records (a forward's saved
+activations, read by its backward; a layer's output, read by the next layer's graph): the
+allocator keeps those blocks out of this recording's ranges. The other inputs are copied in. A
+replay first checks its signature: the addresses of the in-place inputs and the sizes, strides and
+dtypes of the copied ones (and the values of numbers). A new signature records a new graph: one
+compiled function may serve many signatures (Dynamo compiles a layer's code once for all the
+layers, each with its own parameters), up to `max_signatures`, beyond which calls run the compiled
+function uncaptured. A recording that fails leaves the region uncaptured for good; the report says
+why. Each step still completes.
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from xform.faults import strict
+from xform.handouts import Handouts, Ranges, handouts, merge_ranges
 from xform.log import logger
 
 
 @dataclass
 class Recorded:
     """A recorded graph. `replay()` runs it; `inputs` are where the copied inputs must be written
-    before it (in the order of `copied`), `outputs` what the recorded run returned, each tensor
-    where a replay leaves it. Both lie in pool memory that other graphs reuse: written right before
-    the replay, read right after it."""
+    before it (in the order of `copied`), `outputs` what the recorded run returned: tensors the
+    recording allocated in the pool, where every replay leaves them, owned until dropped (the first
+    replay hands them out). `writes`: the address ranges a replay may write, sorted and disjoint."""
 
     replay: Callable[[], None]
     inputs: list[torch.Tensor]
     outputs: list[Any]
+    writes: Ranges
 
 
 class GraphRecorder(Protocol):
@@ -65,12 +68,31 @@ def _view_of(storage: torch.UntypedStorage, view: tuple[Any, ...]) -> torch.Tens
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
+def unowned(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A storage over `storage`'s memory that does not keep it allocated (as CUDA Graph Trees hold
+    their outputs): a recording keeps the address, and other graphs may use the memory in between."""
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+
+
 def _unowned(t: torch.Tensor) -> torch.Tensor:
-    """`t` over a storage that does not keep its memory allocated (as CUDA Graph Trees hold their
-    outputs): a recording keeps the address, and other graphs may use the memory in between."""
-    storage = t.untyped_storage()
-    return _view_of(torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes()),
-                    _view(t))
+    return _view_of(unowned(t.untyped_storage()), _view(t))
+
+
+_ACTIVE = ("active_allocated", "active_pending_free")
+
+
+def _pool_blocks(pool: Any) -> list[tuple[int, int, bool]]:
+    """(start, end, in use) of every block of the allocator's segments in `pool`."""
+    blocks = []
+    for segment in torch.cuda.memory_snapshot():
+        if tuple(segment.get("segment_pool_id", ())) != tuple(pool):
+            continue
+        address = segment["address"]
+        for block in segment["blocks"]:
+            start = block.get("address", address)
+            address = start + block["size"]
+            blocks.append((start, address, block["state"] in _ACTIVE))
+    return blocks
 
 
 class CudaGraphRecorder:
@@ -105,6 +127,7 @@ class CudaGraphRecorder:
     def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded:
         graph = torch.cuda.CUDAGraph()
         static = list(inputs)
+        in_use = {(start, end) for start, end, active in _pool_blocks(self._pool) if active}
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 for i in copied:  # allocated in the pool, alive until the capture ends; no work recorded
@@ -114,9 +137,14 @@ class CudaGraphRecorder:
         except Exception:
             self._recover()
             raise
-        # the owning tensors go with this frame: their pool memory is free for the next recordings
-        return Recorded(graph.replay, [_unowned(static[i]) for i in copied],
-                        [_unowned(o) if isinstance(o, torch.Tensor) else o for o in outputs])
+        # the graph may write any pool memory but the blocks in use throughout (other recordings'
+        # outputs still alive): the capture could allocate nothing there
+        blocks = _pool_blocks(self._pool)
+        writes = merge_ranges((start, end) for start, end, active in blocks if not (active and (start, end) in in_use))
+        if not blocks:  # the allocator's snapshot does not show the pool: assume it writes anywhere
+            writes = [(0, 1 << 64)]
+        # the static inputs go with this frame: their pool memory is free for the next recordings
+        return Recorded(graph.replay, [_unowned(static[i]) for i in copied], outputs, writes)
 
 
 _recorder: CudaGraphRecorder | None = None
@@ -141,6 +169,8 @@ class ReplayStats:
     replays: int = 0
     uncaptured_calls: int = 0  # after the warm-up: calls run without a graph (too many signatures, or failed)
     fallback: str | None = None  # why the region runs uncaptured for good
+    moved_bytes: int = 0  # outputs still alive where a replay writes, copied out of its way
+    copied_in_bytes: int = 0  # inputs copied into the pool before replays (neither module state nor in the pool)
     events: list[str] = field(default_factory=list)
 
 
@@ -163,16 +193,6 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _is_whole(t: torch.Tensor) -> bool:
-    """Whether `t` is all of its storage, densely: a copy made by `empty_like` has its layout."""
-    return (t.storage_offset() == 0 and torch.empty_like(t, device="meta").stride() == t.stride()
-            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
-
-
 def _ptrs_equal(args: list[Any], ptrs: list[int | None], idxs: list[int]) -> bool:
     return all(args[i].data_ptr() == ptrs[i] for i in idxs)
 
@@ -182,36 +202,42 @@ _addresses_match = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", _ptr
 
 
 class _Recording:
-    """One recorded graph, the signature it was recorded for, and what a replay copies out: per
-    output storage, the output itself when it is the whole storage (the copy is the output), else
-    the storage's bytes (the outputs are views of the copy, as they were of the original)."""
+    """One recorded graph, the signature it was recorded for, and its output storages: owned for
+    the first replay (the recording's own allocations), unowned views of their addresses after."""
 
-    def __init__(self, ptrs: list[int | None], metas: dict[int, Any], copy_idxs: list[int], recorded: Recorded,
-                 specs: list[_OutputSpec], groups: int) -> None:
+    def __init__(self, ptrs: list[int | None], metas: dict[int, Any], in_place_idxs: list[int], copy_idxs: list[int],
+                 recorded: Recorded, specs: list[_OutputSpec], groups: int) -> None:
         self.ptrs = ptrs  # per input: the address recorded in place, or None
         self.metas = metas  # input index -> size, stride, dtype, device it was recorded with (or its value)
+        self.in_place_idxs = in_place_idxs
         self.copy_idxs = copy_idxs
-        self.recorded = recorded
+        self.replay, self.inputs, self.writes = recorded.replay, recorded.inputs, recorded.writes
+        self.copied_bytes = sum(t.numel() * t.element_size() for t in self.inputs)
         first = {s.group: out for s, out in zip(specs, recorded.outputs) if s.group is not None}
-        shared = {g for g in first if sum(s.group == g for s in specs) > 1}
-        self.whole = [g not in shared and _is_whole(first[g]) for g in range(groups)]
-        self.sources = [first[g] if self.whole[g] else _bytes_of(first[g].untyped_storage()) for g in range(groups)]
+        self._owned: list[torch.UntypedStorage] | None = [first[g].untyped_storage() for g in range(groups)]
+        self._storages = [unowned(storage) for storage in self._owned]  # address, size, device of each
 
-    def matches(self, args: list[Any], in_place_idxs: list[int]) -> bool:
+    def matches(self, args: list[Any]) -> bool:
         """Whether `args` have this recording's signature: same in-place addresses, same metadata."""
-        return (_addresses_match(args, self.ptrs, in_place_idxs)
+        return (_addresses_match(args, self.ptrs, self.in_place_idxs)
                 and all((_meta(a) if isinstance(a := args[i], torch.Tensor) else a) == meta
                         for i, meta in self.metas.items()))
 
-    def run(self, args: list[Any]) -> list[torch.Tensor]:
-        """Copy in, replay, copy out: the output storages as fresh allocations outside the pool."""
+    def run(self, args: list[Any], registry: Handouts, stats: ReplayStats) -> list[torch.UntypedStorage]:
+        """Move live outputs out of the way, copy in, replay; the output storages, handed out."""
+        stats.moved_bytes += registry.move_out(self.writes)
+        stats.replays += 1
         if self.copy_idxs:
-            torch._foreach_copy_(self.recorded.inputs, [args[i] for i in self.copy_idxs])
-        self.recorded.replay()
-        fresh = [torch.empty_like(source) for source in self.sources]
-        if fresh:
-            torch._foreach_copy_(fresh, self.sources)
-        return fresh
+            torch._foreach_copy_(self.inputs, [args[i] for i in self.copy_idxs])
+            stats.copied_in_bytes += self.copied_bytes
+        self.replay()
+        if self._owned is not None:  # the first replay: the recording's own allocations
+            storages, self._owned, owned = self._owned, None, True
+        else:
+            storages, owned = [unowned(s) for s in self._storages], False
+        for storage in storages:
+            registry.add(storage, owned=owned)
+        return storages
 
 
 class GraphedFunction:
@@ -228,9 +254,11 @@ class GraphedFunction:
         self._warmup = warmup
         self._max_signatures = max_signatures  # one per set of in-place addresses (a layer's parameters)
         self._on_event = on_event
+        self._handouts = handouts
         self._specs: list[_OutputSpec] = []
         self._groups = 0
-        self._in_place_idxs: list[int] = []
+        self._in_place_idxs: list[int] = []  # module state, learned in the warm-up
+        self._seen: set[tuple[int, ...]] = set()  # module-state addresses of the calls so far
         self._recordings: list[_Recording] = []
         self._last = -1  # index of the recording that matched last
 
@@ -241,12 +269,13 @@ class GraphedFunction:
         if recording is None:
             if len(self._recordings) >= self._max_signatures:
                 return self._beyond_signatures(args)
+            if self._first_sighting(args):
+                return self._call(args)
             recording = self._record(args)
             if recording is None:
                 return self._call(args)
-        fresh = recording.run(args)
-        self.stats.replays += 1
-        return self._outputs(recording, fresh, args)
+        storages = recording.run(args, self._handouts, self.stats)
+        return self._outputs(storages, args)
 
     # --- running ---------------------------------------------------------------------------
 
@@ -256,10 +285,21 @@ class GraphedFunction:
         count = len(self._recordings)
         for k in range(1, count + 1):
             index = (self._last + k) % count
-            if self._recordings[index].matches(args, self._in_place_idxs):
+            if self._recordings[index].matches(args):
                 self._last = index
                 return self._recordings[index]
         return None
+
+    def _first_sighting(self, args: list[Any]) -> bool:
+        """Whether no call has had these module-state addresses yet (a layer's first call), which
+        then runs uncaptured, as a warm-up of its own: its inputs are the previous layer's warm-up
+        outputs, ordinary memory, where from its second call on they are outputs in the pool that
+        its recording reads in place instead of copying them in."""
+        key = tuple(args[i].data_ptr() for i in self._in_place_idxs)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
     def _call(self, args: list[Any]) -> list[Any]:
         return list(self.compiled(list(args)))
@@ -286,6 +326,7 @@ class GraphedFunction:
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         # module state: its sizes and strides are guarded by Dynamo, so only its address is checked
         self._in_place_idxs = [i for i, a in tensors if self._module_state(i, a)]
+        self._seen.add(tuple(args[i].data_ptr() for i in self._in_place_idxs))
         inputs = {_storage_key(a): i for i, a in tensors}
         groups: dict[int, int] = {}  # storage address -> index of its output storage
         self._specs = []
@@ -303,12 +344,11 @@ class GraphedFunction:
             self._specs.append(_OutputSpec(group=groups.setdefault(key, len(groups)), view=_view(out)))
         self._groups = len(groups)
 
-    def _outputs(self, recording: _Recording, fresh: list[torch.Tensor], args: list[Any]) -> list[Any]:
+    def _outputs(self, storages: list[torch.UntypedStorage], args: list[Any]) -> list[Any]:
         results = []
         for spec in self._specs:
             if spec.group is not None:
-                copy = fresh[spec.group]
-                results.append(copy if recording.whole[spec.group] else _view_of(copy.untyped_storage(), spec.view))
+                results.append(_view_of(storages[spec.group], spec.view))
             elif spec.alias_of is not None:
                 results.append(_view_of(args[spec.alias_of].untyped_storage(), spec.view))
             else:
@@ -329,7 +369,12 @@ class GraphedFunction:
         return found
 
     def _record(self, args: list[Any]) -> _Recording | None:
-        in_place = set(self._in_place_idxs)
+        # the allocator must see every output alive in the pool, or the capture may place its own
+        # memory there: the unowned ones (handed out by later replays) are moved out first, the
+        # owned ones stay where they are and are read in place (a forward's saved activations)
+        self._handouts.move_out(unowned_only=True)
+        in_place = set(self._in_place_idxs) | {i for i, a in enumerate(args)
+                                               if isinstance(a, torch.Tensor) and self._handouts.holds(a)}
         copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
         mismatch: list[str] = []
 
@@ -351,7 +396,7 @@ class GraphedFunction:
         ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
         # numbers are recorded as constants: a different value needs a recording of its own
         metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args) if i not in in_place}
-        recording = _Recording(ptrs, metas, copy_idxs, recorded, self._specs, self._groups)
+        recording = _Recording(ptrs, metas, sorted(in_place), copy_idxs, recorded, self._specs, self._groups)
         self._recordings.append(recording)
         self._last = len(self._recordings) - 1
         self.stats.recordings += 1

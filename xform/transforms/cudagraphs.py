@@ -4,7 +4,8 @@
 path. This transform finds, per Dynamo graph, the ops a CUDA graph cannot record
 (`xform.capture_safety`), partitions the rest into maximal regions (`xform.regions`), compiles
 each region with the handoff and records its forward and backward (`xform.replay`: one shared
-pool, nothing live in it between replays, outputs copied out into the caller's own tensors).
+pool; outputs handed out in place and moved out only when a later replay would write over them
+while they are alive, `xform.handouts`).
 Ops that break a region run as compiled, between the replays; the report names each with the
 user's line, the reason and the fix.
 """
@@ -33,8 +34,8 @@ NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): CUDA graphs
 
 
 OPTIONS = ("min_region_ops", "max_signatures", "warmup")
-REMOVED = {"max_graphs": "outputs are copied out of the pool after every replay, so one recording per signature "
-                         "serves callers that hold outputs"}
+REMOVED = {"max_graphs": "an output still alive where a later replay writes is moved out of its way, so one "
+                         "recording per signature serves callers that hold outputs"}
 
 
 def available_recorder() -> GraphRecorder | None:
@@ -146,8 +147,8 @@ class CudaGraphs(Transform):
                  record: TransformRecord) -> Callable[[Callable[..., Any], str, Sequence[int]], GraphedFunction]:
         def wrap(compiled: Callable[..., Any], kind: str, static_input_idxs: Sequence[int]) -> GraphedFunction:
             # Inductor counts a backward's saved tensors as static (CUDA Graph Trees keep the
-            # forward's outputs in place); here they are fresh copies each step, so only the
-            # module state among them is read in place
+            # forward's outputs in place); here those the forward's replay left in the pool are
+            # read in place (`GraphedFunction` finds them), and any others copied in
             static = set(static_input_idxs) if kind != "backward" else set()
 
             def is_module_state(index: int, t: torch.Tensor) -> bool:
