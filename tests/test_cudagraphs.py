@@ -83,6 +83,9 @@ class SimulatedRecorder:
         return Recorded(replay, own_inputs, handed,
                         merge_ranges((_address(t), _address(t) + t.untyped_storage().nbytes()) for t in writable))
 
+    def warm_up(self, run, inputs):
+        return run(inputs)
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is memory of the simulated pool."""
         return any(_address(t) == _address(p) for p in self.pool)

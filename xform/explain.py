@@ -206,6 +206,9 @@ class _NoRecorder:
     def record(self, run: Any, inputs: Any, copied: Any) -> Any:
         raise RuntimeError("xform explain records no CUDA graph")
 
+    def warm_up(self, run: Any, inputs: Any) -> Any:
+        return run(inputs)
+
 
 @contextlib.contextmanager
 def _planning_on_the_stand_in() -> Iterator[None]:

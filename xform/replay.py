@@ -58,6 +58,10 @@ class GraphRecorder(Protocol):
 
     def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded: ...
 
+    def warm_up(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> list[Any]:
+        """`run(inputs)`, uncaptured, with what it allocates in the recorder's pool."""
+        ...
+
 
 def _view(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.dtype, t.shape, t.stride(), t.storage_offset())
@@ -123,6 +127,23 @@ class CudaGraphRecorder:
         torch.cuda.synchronize()
         self._pool = torch.cuda.graph_pool_handle()
         self._keeper = self._empty_graph()
+
+    def warm_up(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> list[Any]:
+        """Run uncaptured with every allocation in the pool, on the recording stream (as CUDA Graph
+        Trees warm up): the memory the calls before the recordings need is then the memory the
+        recordings reuse, not a second reservation in the ordinary pool."""
+        device = torch.cuda.current_device()
+        torch.cuda.synchronize()  # what the stream reuses from the pool is no longer read elsewhere
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            torch._C._cuda_beginAllocateCurrentThreadToPool(device, self._pool)
+            try:
+                outputs = run(inputs)
+            finally:
+                torch._C._cuda_endAllocateToPool(device, self._pool)
+                torch._C._cuda_releasePool(device, self._pool)
+        torch.cuda.current_stream().wait_stream(self._stream)
+        return outputs
 
     def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded:
         graph = torch.cuda.CUDAGraph()
@@ -263,14 +284,20 @@ class GraphedFunction:
         self._last = -1  # index of the recording that matched last
 
     def __call__(self, args: list[Any]) -> list[Any]:
-        if self.stats.fallback is not None or self._warmup > 0:
-            return self._uncaptured(args, learn=self._warmup > 0)
+        if self.stats.fallback is not None:
+            self.stats.uncaptured_calls += 1
+            return self._call(args)
+        if self._warmup > 0:
+            self._warmup -= 1
+            outputs = self._warm_up(args)
+            self._learn(args, outputs)
+            return outputs
         recording = self._find(args)
         if recording is None:
             if len(self._recordings) >= self._max_signatures:
                 return self._beyond_signatures(args)
             if self._first_sighting(args):
-                return self._call(args)
+                return self._warm_up(args)
             recording = self._record(args)
             if recording is None:
                 return self._call(args)
@@ -304,13 +331,17 @@ class GraphedFunction:
     def _call(self, args: list[Any]) -> list[Any]:
         return list(self.compiled(list(args)))
 
-    def _uncaptured(self, args: list[Any], learn: bool) -> list[Any]:
-        outputs = self._call(args)
-        if learn:
-            self._warmup -= 1
-            self._learn(args, outputs)
-        else:
-            self.stats.uncaptured_calls += 1
+    def _warm_up(self, args: list[Any]) -> list[Any]:
+        """A call before the recording, uncaptured, allocating in the pool. The allocator must see
+        every output alive there, so the unowned ones are moved out first; what this call hands
+        out it owns, and a replay recorded earlier may write there, so it is tracked too."""
+        self._handouts.move_out(unowned_only=True)
+        outputs = self._recorder.warm_up(self._call, args)
+        inputs = {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
+        fresh = {_storage_key(o): o.untyped_storage() for o in outputs
+                 if isinstance(o, torch.Tensor) and _storage_key(o) not in inputs}
+        for storage in fresh.values():
+            self._handouts.add(storage, owned=True)
         return outputs
 
     def _beyond_signatures(self, args: list[Any]) -> list[Any]:
