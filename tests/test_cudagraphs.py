@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import xform
+import xform.handouts
 import xform.transforms.cudagraphs as cudagraphs
 from xform.capture_safety import find_breaks
 from xform.fxgraph import quotient_is_acyclic, to_digraph
@@ -271,6 +272,28 @@ def test_saved_tensors_and_gradients_survive_later_replays(recorder):
     kinds = sorted(f.stats.name.split()[0] for f in transform.functions)
     assert kinds == ["backward", "backward", "forward", "forward"]  # each layer's, one recording each
     assert all(f.stats.recordings == 1 and f.stats.replays == 5 for f in transform.functions)
+
+
+def test_without_swapping_storages_a_held_output_in_the_way_runs_the_call_uncaptured(recorder, monkeypatch):
+    # torch < 2.13 cannot repoint a storage the allocator does not own: the call that would write
+    # over a held output runs uncaptured, and its graph copies its outputs out from then on
+    monkeypatch.setattr(xform.handouts, "SWAPS", False)
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        step(x), step(x)  # warm-up, recording
+        held = step(x)  # a replay's output, in the pool
+        expected = held.clone()
+        torch.testing.assert_close(step(x), model(x))  # in its way: uncaptured
+        torch.testing.assert_close(held, expected)
+        stats = transform.functions[0].stats
+        assert (stats.replays, stats.uncaptured_calls, stats.stuck) == (2, 1, 1)
+        del held
+        outputs = [step(x) for _ in range(3)]  # replayed again, each output a copy of its own
+    assert stats.replays == 5 and not any(recorder.holds(out) for out in outputs)
+    (note,) = [n for n in xform.report(model).graphs[0].transforms[0].notes if "could not be moved" in n]
+    assert "UntypedStorage._swap_data_ptr_, torch >= 2.13" in note and "copies its outputs out from now on" in note
 
 
 def test_a_recording_made_while_an_output_is_held_moves_it_out_first(recorder):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import xform
+import xform.handouts
 from xform.transforms import CudaGraphs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -40,15 +41,23 @@ def test_held_outputs_are_never_overwritten_and_only_held_ones_are_copied():
         before = torch.cuda.memory_allocated()
         outputs = [step(x) for x in inputs[2:]]  # all held at once
         torch.cuda.synchronize()
-        # each replay's output is handed out in the pool; the next replay moves the one before out
-        # of its way (an ordinary allocation): all but the last are copies, the last is in place
-        assert torch.cuda.memory_allocated() - before == sum(o.untyped_storage().nbytes() for o in outputs[:-1])
+        grown = torch.cuda.memory_allocated() - before
         for x, out in zip(inputs[2:], outputs):
             torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
-        dropped = [step(x).sum().item() for x in inputs]  # read, then dropped: nothing to move
-    stats = transform.functions[0].stats
-    assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (1, 6 + 7, 0)
-    assert stats.moved_bytes == sum(o.untyped_storage().nbytes() for o in outputs) and len(dropped) == 7
+        nbytes = [o.untyped_storage().nbytes() for o in outputs]
+        stats = transform.functions[0].stats
+        if xform.handouts.SWAPS:
+            # each replay's output is handed out in the pool; the next replay moves the one before
+            # out of its way (an ordinary allocation): all but the last are copies
+            assert grown == sum(nbytes[:-1]) and stats.moved_bytes == sum(nbytes[:-1])
+        else:
+            # torch < 2.13 cannot move the first one, which stays in the pool: each later call,
+            # which would write over it, runs uncaptured, its output ordinary memory
+            assert grown == sum(nbytes[1:]) and stats.uncaptured_calls == 4 and stats.stuck == 4
+        del outputs
+        for x in inputs:  # read, then dropped: nothing in the way, nothing to move
+            torch.testing.assert_close(step(x), model(x), atol=1e-4, rtol=1e-4)
+    assert stats.replays == (6 if xform.handouts.SWAPS else 2) + 7 and stats.recordings == 1
 
 
 def test_an_output_held_across_another_graphs_replay_keeps_its_values():
@@ -107,7 +116,7 @@ def test_recordings_hold_no_memory_between_training_steps():
     # the forward's saved activations stay in the pool and the backward reads them there: nothing
     # is moved, and in each of the 3 replayed steps only ordinary memory is copied in: the caller's
     # input (to the first layer's forward and, saved, its backward) and the loss's gradient
-    assert sum(s.moved_bytes for s in stats) == 0
+    assert sum(s.moved_bytes for s in stats) == 0 and sum(s.stuck for s in stats) == 0
     assert sum(s.copied_in_bytes for s in stats) <= 3 * 3 * x.numel() * x.element_size()
     # what stays is cuBLAS's workspaces for the capture stream (one per thread: forward, backward),
     # nothing per recording

@@ -4,15 +4,17 @@ A replay hands its outputs out where the graph wrote them, in the pool, without 
 replay may then write that memory (its own outputs again, or another graph's intermediates). So
 every storage handed out is remembered here through a weak reference, with its address range, and
 before a replay writes a range, the handouts still alive in it are *moved out*: their bytes are
-copied into a fresh ordinary allocation and the storage is pointed at it
-(`UntypedStorage._swap_data_ptr_`), so the caller's tensors and every view of them keep their
-values and never see the overwrite. A handout that died (the common case: logits read, then
-dropped; saved activations released by the backward) costs nothing.
+copied into a fresh ordinary allocation and the storage is pointed at it, so the caller's tensors
+and every view of them keep their values and never see the overwrite. A handout that died (the
+common case: logits read, then dropped; saved activations released by the backward) costs nothing.
 
-A handout is *owned* when it is the storage the recording itself allocated (a recording's first
-replay hands those out): the allocator knows its block is in use, so a recording made while it is
-alive never places anything there. Later handouts are unowned views of the same addresses, which
-the allocator believes free: before a recording, those still alive are moved out.
+A handout is *owned* when the allocator owns its block (a recording's first replay hands out the
+recording's own allocations, a warm-up its own): a recording made while it is alive never places
+anything there, and `resize_` moves it. Later handouts are unowned views of the same addresses,
+which the allocator believes free: before a recording, those still alive are moved out, which
+needs `UntypedStorage._swap_data_ptr_` (torch >= 2.13). Without it an unowned handout in the way
+is *stuck*: the caller runs that call uncaptured, and the handout's producer copies its outputs
+out from then on (`on_stuck`), as every replay did before outputs were handed out in place.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 Ranges = Sequence[tuple[int, int]]  # sorted, disjoint [start, end) address ranges
+
+
+SWAPS = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13: any storage can be repointed
 
 
 @dataclass
@@ -34,6 +39,22 @@ class _Handout:
     start: int
     end: int
     owned: bool
+    on_stuck: Callable[[], None] | None  # told when it is in the way and cannot be moved
+
+
+def movable(storage: torch.UntypedStorage) -> bool:
+    """Whether `storage` can be moved to fresh memory with its tensors following: any storage with
+    `_swap_data_ptr_`, else one the allocator owns (which `resize_` reallocates)."""
+    return SWAPS or storage.resizable()
+
+
+def _move(storage: torch.UntypedStorage) -> None:
+    if SWAPS:
+        fresh = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device).untyped_storage()
+        fresh.copy_(storage)
+        storage._swap_data_ptr_(fresh)  # `fresh` now holds the pool address, and goes
+    else:
+        storage.resize_(storage.nbytes())  # a fresh block, the bytes copied, the pool block freed
 
 
 def _overlaps(ranges: Ranges, starts: list[int], start: int, end: int) -> bool:
@@ -61,12 +82,11 @@ class Handouts:
     def __init__(self) -> None:
         self._live: list[_Handout] = []
         self._lock = threading.Lock()
-        self.moved_bytes = 0  # bytes copied to move handouts out of a replay's way, for the report
 
-    def add(self, storage: torch.UntypedStorage, *, owned: bool) -> None:
+    def add(self, storage: torch.UntypedStorage, *, owned: bool, on_stuck: Callable[[], None] | None = None) -> None:
         start = storage.data_ptr()
         with self._lock:
-            self._live.append(_Handout(StorageWeakRef(storage), start, start + storage.nbytes(), owned))
+            self._live.append(_Handout(StorageWeakRef(storage), start, start + storage.nbytes(), owned, on_stuck))
 
     def alive(self) -> list[tuple[int, int, bool]]:
         """(start, end, owned) of every handout still alive."""
@@ -79,29 +99,30 @@ class Handouts:
         address = t.untyped_storage().data_ptr()
         return any(start <= address < end and owned for start, end, owned in self.alive())
 
-    def move_out(self, ranges: Ranges | None = None, *, unowned_only: bool = False) -> int:
-        """Move every live handout meeting `ranges` (all of them when None) into fresh memory;
-        returns the bytes moved."""
+    def move_out(self, ranges: Ranges | None = None, *,
+                 unowned_only: bool = False) -> tuple[int, list[Callable[[], None] | None]]:
+        """Move every live handout meeting `ranges` (all of them when None) into fresh memory.
+        Returns the bytes moved and, per handout that is in the way but cannot be moved (not
+        `movable`), its `on_stuck`: then the caller must not write the ranges."""
         starts = [r[0] for r in ranges] if ranges is not None else []
+        moving: list[tuple[_Handout, torch.UntypedStorage]] = []
+        stuck: list[Callable[[], None] | None] = []
         with self._lock:
-            keep, moving = [], []
+            keep = []
             for h in self._live:
                 storage = None if h.ref.expired() else torch.UntypedStorage._new_with_weak_ptr(h.ref.cdata)
                 if storage is None:
                     continue
-                hit = ranges is None or _overlaps(ranges, starts, h.start, h.end)
-                (moving if hit and not (unowned_only and h.owned) else keep).append((h, storage))
-            self._live = [h for h, _ in keep]
-        if not moving:
-            return 0
-        sources = [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s) for _, s in moving]
-        fresh = [torch.empty_like(s) for s in sources]
-        torch._foreach_copy_(fresh, sources)
-        for (_, storage), new in zip(moving, fresh):
-            storage._swap_data_ptr_(new.untyped_storage())  # `new` now holds the pool address, and goes
-        moved = sum(s.numel() for s in sources)
-        self.moved_bytes += moved
-        return moved
+                if (ranges is None or _overlaps(ranges, starts, h.start, h.end)) and not (unowned_only and h.owned):
+                    if movable(storage):
+                        moving.append((h, storage))
+                        continue
+                    stuck.append(h.on_stuck)
+                keep.append(h)
+            self._live = keep
+        for _, storage in moving:
+            _move(storage)
+        return sum(storage.nbytes() for _, storage in moving), stuck
 
 
 handouts = Handouts()

@@ -192,6 +192,7 @@ class ReplayStats:
     fallback: str | None = None  # why the region runs uncaptured for good
     moved_bytes: int = 0  # outputs still alive where a replay writes, copied out of its way
     copied_in_bytes: int = 0  # inputs copied into the pool before replays (neither module state nor in the pool)
+    stuck: int = 0  # live outputs in the way that could not be moved (torch < 2.13): calls run uncaptured
     events: list[str] = field(default_factory=list)
 
 
@@ -222,9 +223,14 @@ def _ptrs_equal(args: list[Any], ptrs: list[int | None], idxs: list[int]) -> boo
 _addresses_match = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", _ptrs_equal)
 
 
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class _Recording:
     """One recorded graph, the signature it was recorded for, and its output storages: owned for
-    the first replay (the recording's own allocations), unowned views of their addresses after."""
+    the first replay (the recording's own allocations), unowned views of their addresses after, or
+    copies once a handout could not be moved out of another replay's way (`copy_from_now_on`)."""
 
     def __init__(self, ptrs: list[int | None], metas: dict[int, Any], in_place_idxs: list[int], copy_idxs: list[int],
                  recorded: Recorded, specs: list[_OutputSpec], groups: int) -> None:
@@ -237,6 +243,7 @@ class _Recording:
         first = {s.group: out for s, out in zip(specs, recorded.outputs) if s.group is not None}
         self._owned: list[torch.UntypedStorage] | None = [first[g].untyped_storage() for g in range(groups)]
         self._storages = [unowned(storage) for storage in self._owned]  # address, size, device of each
+        self._copies = False
 
     def matches(self, args: list[Any]) -> bool:
         """Whether `args` have this recording's signature: same in-place addresses, same metadata."""
@@ -244,20 +251,28 @@ class _Recording:
                 and all((_meta(a) if isinstance(a := args[i], torch.Tensor) else a) == meta
                         for i, meta in self.metas.items()))
 
+    def copy_from_now_on(self) -> None:
+        self._copies = True
+
     def run(self, args: list[Any], registry: Handouts, stats: ReplayStats) -> list[torch.UntypedStorage]:
-        """Move live outputs out of the way, copy in, replay; the output storages, handed out."""
-        stats.moved_bytes += registry.move_out(self.writes)
+        """Copy in, replay (the caller moved live outputs out of the way); the output storages."""
         stats.replays += 1
         if self.copy_idxs:
             torch._foreach_copy_(self.inputs, [args[i] for i in self.copy_idxs])
             stats.copied_in_bytes += self.copied_bytes
         self.replay()
         if self._owned is not None:  # the first replay: the recording's own allocations
-            storages, self._owned, owned = self._owned, None, True
-        else:
-            storages, owned = [unowned(s) for s in self._storages], False
+            storages, self._owned = self._owned, None
+            for storage in storages:
+                registry.add(storage, owned=True)
+            return storages
+        if self._copies:
+            fresh = [torch.empty(s.nbytes(), dtype=torch.uint8, device=s.device) for s in self._storages]
+            torch._foreach_copy_(fresh, [_bytes(s) for s in self._storages])
+            return [f.untyped_storage() for f in fresh]
+        storages = [unowned(s) for s in self._storages]
         for storage in storages:
-            registry.add(storage, owned=owned)
+            registry.add(storage, owned=False, on_stuck=self.copy_from_now_on)
         return storages
 
 
@@ -301,6 +316,9 @@ class GraphedFunction:
             recording = self._record(args)
             if recording is None:
                 return self._call(args)
+        if not self._clear(recording.writes):
+            self.stats.uncaptured_calls += 1
+            return self._call(args)
         storages = recording.run(args, self._handouts, self.stats)
         return self._outputs(storages, args)
 
@@ -328,6 +346,21 @@ class GraphedFunction:
         self._seen.add(key)
         return True
 
+    def _clear(self, ranges: Ranges | None, *, unowned_only: bool = False) -> bool:
+        """Move the live outputs meeting `ranges` (all, or the unowned ones) out of the way; False
+        when one cannot be moved (torch < 2.13), after its producer was told to copy from now on."""
+        moved, stuck = self._handouts.move_out(ranges, unowned_only=unowned_only)
+        self.stats.moved_bytes += moved
+        for switch in stuck:
+            if switch is not None:
+                switch()
+        if stuck and not self.stats.stuck:
+            self._event(f"an output still alive where this call would write could not be moved out of the way "
+                        f"(torch {torch.__version__} has no UntypedStorage._swap_data_ptr_, torch >= 2.13): the "
+                        f"call ran uncaptured, and the graph that made that output copies its outputs out from now on")
+        self.stats.stuck += len(stuck)
+        return not stuck
+
     def _call(self, args: list[Any]) -> list[Any]:
         return list(self.compiled(list(args)))
 
@@ -335,7 +368,8 @@ class GraphedFunction:
         """A call before the recording, uncaptured, allocating in the pool. The allocator must see
         every output alive there, so the unowned ones are moved out first; what this call hands
         out it owns, and a replay recorded earlier may write there, so it is tracked too."""
-        self._handouts.move_out(unowned_only=True)
+        if not self._clear(None, unowned_only=True):
+            return self._call(args)
         outputs = self._recorder.warm_up(self._call, args)
         inputs = {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         fresh = {_storage_key(o): o.untyped_storage() for o in outputs
@@ -403,7 +437,9 @@ class GraphedFunction:
         # the allocator must see every output alive in the pool, or the capture may place its own
         # memory there: the unowned ones (handed out by later replays) are moved out first, the
         # owned ones stay where they are and are read in place (a forward's saved activations)
-        self._handouts.move_out(unowned_only=True)
+        if not self._clear(None, unowned_only=True):
+            self.stats.uncaptured_calls += 1
+            return None
         in_place = set(self._in_place_idxs) | {i for i, a in enumerate(args)
                                                if isinstance(a, torch.Tensor) and self._handouts.holds(a)}
         copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
