@@ -167,7 +167,10 @@ def test_a_transformer_layer_trains_through_replays_as_eagerly():
             torch.testing.assert_close(p.grad, q.grad, atol=5e-2, rtol=5e-2)
     stats = [f.stats for f in transform.functions if f.stats.recordings]
     assert {s.name.split()[0] for s in stats} == {"forward", "backward"}
-    assert all(s.replays == 3 and s.fallback is None for s in stats)
+    # `got = step(x)` holds the last output through the next call: torch >= 2.13 moves it out of
+    # the way; before, that call runs uncaptured once and the forward copies out from then on
+    assert all(s.fallback is None and s.replays + s.uncaptured_calls == 3 for s in stats)
+    assert all(s.replays == 3 for s in stats) or not xform.handouts.SWAPS
 
 
 def test_a_host_read_inside_the_graph_splits_it_into_regions(request):

@@ -105,24 +105,26 @@ class Handouts:
         Returns the bytes moved and, per handout that is in the way but cannot be moved (not
         `movable`), its `on_stuck`: then the caller must not write the ranges."""
         starts = [r[0] for r in ranges] if ranges is not None else []
-        moving: list[tuple[_Handout, torch.UntypedStorage]] = []
-        stuck: list[Callable[[], None] | None] = []
         with self._lock:
-            keep = []
-            for h in self._live:
-                storage = None if h.ref.expired() else torch.UntypedStorage._new_with_weak_ptr(h.ref.cdata)
-                if storage is None:
-                    continue
-                if (ranges is None or _overlaps(ranges, starts, h.start, h.end)) and not (unowned_only and h.owned):
-                    if movable(storage):
-                        moving.append((h, storage))
-                        continue
-                    stuck.append(h.on_stuck)
-                keep.append(h)
-            self._live = keep
-        for _, storage in moving:
-            _move(storage)
-        return sum(storage.nbytes() for _, storage in moving), stuck
+            self._live = [h for h in self._live if not h.ref.expired()]
+            hits = [h for h in self._live if not (unowned_only and h.owned)
+                    and (ranges is None or _overlaps(ranges, starts, h.start, h.end))]
+        if not hits:
+            return 0, []
+        moved, stuck, gone = 0, [], set()
+        for h in hits:
+            storage = torch.UntypedStorage._new_with_weak_ptr(h.ref.cdata)
+            if storage is None:  # died since
+                gone.add(id(h))
+            elif movable(storage):
+                _move(storage)
+                moved += storage.nbytes()
+                gone.add(id(h))
+            else:
+                stuck.append(h.on_stuck)
+        with self._lock:
+            self._live = [h for h in self._live if id(h) not in gone]
+        return moved, stuck
 
 
 handouts = Handouts()
