@@ -104,6 +104,8 @@ class Handouts:
         """Move every live handout meeting `ranges` (all of them when None) into fresh memory.
         Returns the bytes moved and, per handout that is in the way but cannot be moved (not
         `movable`), its `on_stuck`: then the caller must not write the ranges."""
+        if not self._live:  # nothing handed out alive: the common case between replays
+            return 0, []
         starts = [r[0] for r in ranges] if ranges is not None else []
         with self._lock:
             self._live = [h for h in self._live if not h.ref.expired()]

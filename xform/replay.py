@@ -243,7 +243,7 @@ class _Recording:
         first = {s.group: out for s, out in zip(specs, recorded.outputs) if s.group is not None}
         self._owned: list[torch.UntypedStorage] | None = [first[g].untyped_storage() for g in range(groups)]
         self._storages = [unowned(storage) for storage in self._owned]  # address, size, device of each
-        self._copies = False
+        self._copies: list[torch.Tensor] | None = None  # the output storages' bytes, once copying
 
     def matches(self, args: list[Any]) -> bool:
         """Whether `args` have this recording's signature: same in-place addresses, same metadata."""
@@ -252,7 +252,7 @@ class _Recording:
                         for i, meta in self.metas.items()))
 
     def copy_from_now_on(self) -> None:
-        self._copies = True
+        self._copies = [_bytes(s) for s in self._storages]
 
     def run(self, args: list[Any], registry: Handouts, stats: ReplayStats) -> list[torch.UntypedStorage]:
         """Copy in, replay (the caller moved live outputs out of the way); the output storages."""
@@ -266,9 +266,9 @@ class _Recording:
             for storage in storages:
                 registry.add(storage, owned=True)
             return storages
-        if self._copies:
-            fresh = [torch.empty(s.nbytes(), dtype=torch.uint8, device=s.device) for s in self._storages]
-            torch._foreach_copy_(fresh, [_bytes(s) for s in self._storages])
+        if self._copies is not None:
+            fresh = [torch.empty_like(source) for source in self._copies]
+            torch._foreach_copy_(fresh, self._copies)
             return [f.untyped_storage() for f in fresh]
         storages = [unowned(s) for s in self._storages]
         for storage in storages:
