@@ -1,0 +1,74 @@
+"""xform.handouts: which outputs handed out of a pool are alive, and moving them out of the way."""
+
+from __future__ import annotations
+
+import torch
+
+import xform.handouts as handouts_module
+from xform.handouts import Handouts, merge_ranges
+from xform.replay import unowned
+
+
+def _range(t: torch.Tensor) -> list[tuple[int, int]]:
+    storage = t.untyped_storage()
+    return [(storage.data_ptr(), storage.data_ptr() + storage.nbytes())]
+
+
+def _handed_out(pool: torch.Tensor, registry: Handouts, *, owned: bool = False, on_stuck=None) -> torch.Tensor:
+    """A view of `pool`'s memory that does not own it, registered as a handout (as a replay's)."""
+    view = torch.empty(0).set_(unowned(pool.untyped_storage()), 0, pool.shape, pool.stride())
+    registry.add(view.untyped_storage(), owned=owned, on_stuck=on_stuck)
+    return view
+
+
+def test_ranges_are_sorted_and_joined_where_they_touch():
+    assert merge_ranges([(30, 40), (0, 10), (10, 20), (35, 50), (60, 60)]) == [(0, 20), (30, 50)]
+
+
+def test_a_live_handout_in_the_way_is_moved_with_its_views_and_others_stay():
+    registry = Handouts()
+    pool_a, pool_b = torch.arange(8.0), torch.arange(8.0) + 100
+    a, b = _handed_out(pool_a, registry), _handed_out(pool_b, registry)
+    a_view = a[2:5]
+    moved, stuck = registry.move_out(_range(pool_a))
+    assert (moved, stuck) == (32, [])
+    pool_a.fill_(-1)  # the replay writing there
+    pool_b.fill_(-2)
+    torch.testing.assert_close(a, torch.arange(8.0))  # moved: its values kept
+    torch.testing.assert_close(a_view, torch.arange(2.0, 5.0))
+    assert (b == -2).all()  # not in the way: still the pool's memory
+    assert [start for start, _, _ in registry.alive()] == [pool_b.data_ptr()]
+
+
+def test_dead_handouts_cost_nothing_and_are_forgotten():
+    registry = Handouts()
+    pool = torch.zeros(4)
+    out = _handed_out(pool, registry)
+    del out
+    assert registry.move_out(_range(pool)) == (0, []) and registry.alive() == []
+
+
+def test_unowned_only_leaves_what_the_allocator_protects():
+    registry = Handouts()
+    pool_owned, pool_unowned = torch.zeros(4), torch.zeros(4)
+    kept = _handed_out(pool_owned, registry, owned=True)
+    moved = _handed_out(pool_unowned, registry)
+    assert registry.move_out(unowned_only=True)[0] == 16
+    assert registry.holds(kept) and not registry.holds(moved)
+
+
+def test_without_swapping_only_storages_the_allocator_owns_move(monkeypatch):
+    monkeypatch.setattr(handouts_module, "SWAPS", False)
+    registry = Handouts()
+    owned = torch.arange(4.0)  # an allocator's storage: resize_ reallocates it
+    registry.add(owned.untyped_storage(), owned=True)
+    calls = []
+    pool = torch.arange(4.0)
+    view = _handed_out(pool, registry, on_stuck=lambda: calls.append("copy from now on"))
+    before = owned.data_ptr()
+    moved, stuck = registry.move_out()
+    assert moved == 16 and owned.data_ptr() != before
+    torch.testing.assert_close(owned, torch.arange(4.0))
+    assert len(stuck) == 1 and view.data_ptr() == pool.data_ptr()  # stuck where it was, still tracked
+    stuck[0]()
+    assert calls == ["copy from now on"] and len(registry.alive()) == 1
