@@ -316,3 +316,23 @@ def test_a_data_mask_without_a_backward_stays_as_written_under_inductor_on_cuda(
         (skip,) = report.skips("flex-attention")
         assert "in a graph with no backward Inductor's flex lowering does not keep that data alive" in skip.reason
         assert "illegal memory access" in skip.reason and "build the BlockMask outside" in skip.reason
+
+
+def test_flash_that_does_not_import_is_named_with_its_error(monkeypatch):
+    # FA4 present but its CuTeDSL missing passes torch's own check (it finds the package) and then
+    # failed inside Inductor's compile; xform tries the import and says what broke
+    import sys
+    import types
+
+    import torch._inductor.kernel.flex.flex_flash_attention as flex_flash
+    from xform.transforms.attention import flash_import_error
+
+    monkeypatch.setattr(flex_flash, "ensure_flash_available", lambda: True, raising=False)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # `import flash_attn.cute` raises ImportError
+    flash_import_error.cache_clear()
+    try:
+        assert flash_import_error().startswith("FlashAttention-4 does not import: ModuleNotFoundError")
+        assert flash_import_error().endswith("(pip install flash-attn-4 and nvidia-cutlass-dsl)")
+    finally:
+        flash_import_error.cache_clear()

@@ -31,6 +31,7 @@ scale, a bias or a mask.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -640,17 +641,29 @@ def _shape_refusal(site: AttentionSite) -> str | None:
     return None
 
 
-def _flash_missing(site: AttentionSite) -> str | None:
-    """Why FlashAttention-4 cannot run this site here, or None if it can."""
-    q = example_value(site.q)
+@functools.lru_cache(maxsize=None)
+def flash_import_error() -> str | None:
+    """Why FlashAttention-4 does not import here, or None. Torch's own check finds the package
+    without importing it, so FA4 without its CuTeDSL (`cutlass`) would pass it and then fail
+    inside Inductor's compile: the import is tried here."""
+    fix = "pip install flash-attn-4 and nvidia-cutlass-dsl"
     try:
         from torch._inductor.kernel.flex.flex_flash_attention import ensure_flash_available
 
-        available = ensure_flash_available()
-    except ImportError:
-        available = False
-    if not available:
-        return "FlashAttention-4 is not importable (pip install flash-attn-4 and nvidia-cutlass-dsl)"
+        if not ensure_flash_available():
+            return f"FlashAttention-4 is not importable ({fix})"
+        import flash_attn.cute  # noqa: F401  (imports the CuTeDSL)
+    except Exception as error:  # a half-installed CuTeDSL raises RuntimeError as well
+        return f"FlashAttention-4 does not import: {type(error).__name__}: {error} ({fix})"
+    return None
+
+
+def _flash_missing(site: AttentionSite) -> str | None:
+    """Why FlashAttention-4 cannot run this site here, or None if it can."""
+    q = example_value(site.q)
+    missing = flash_import_error()
+    if missing:
+        return missing
     if torch.cuda.get_device_capability(q.device) < (9, 0):
         return f"it needs an SM90+ GPU, this is SM{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
     if q.dtype not in (torch.float16, torch.bfloat16):
