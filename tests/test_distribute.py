@@ -284,9 +284,10 @@ def corpus(tmp_path: Path, *args: str) -> dict:
 @pytest.mark.parametrize("paired, strategies", [("", "ddp,fsdp,tp"), ("flex-attention", "ddp,fsdp,tp"),
                                                 ("cast:bf16", "ddp,fsdp,tp"), ("quantize:float8-rowwise", "ddp")])
 def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path, paired, strategies):
-    result = corpus(tmp_path, "--strategies", strategies, "--first", "0", "--models", "6",
+    # 4 models a pairing keeps CI near its 15 minutes; the sweeps of 24 seeds are corpus_run.py's own
+    result = corpus(tmp_path, "--strategies", strategies, "--first", "0", "--models", "4",
                     *(["--with", paired] if paired else []))
-    assert result["cases"] == 6 * len(strategies.split(",")) and result["problems"] == []
+    assert result["cases"] == 4 * len(strategies.split(",")) and result["problems"] == []
 
 
 @pytest.mark.slow
