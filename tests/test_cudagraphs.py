@@ -27,7 +27,7 @@ from xform.capture_safety import find_breaks
 from xform.fxgraph import quotient_is_acyclic, to_digraph
 from xform.regions import plan_regions
 from xform.handouts import handouts, merge_ranges
-from xform.replay import Recorded, unowned
+from xform.replay import Recorded, unowned_view
 from xform.transforms import CudaGraphs
 
 
@@ -37,10 +37,6 @@ def _scribble(t: torch.Tensor) -> None:
 
 def _address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _unowned(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=t.dtype).set_(unowned(t.untyped_storage()), t.storage_offset(), t.shape, t.stride())
 
 
 class SimulatedRecorder:
@@ -56,7 +52,7 @@ class SimulatedRecorder:
             raise self.fail
         self.recorded += 1
         # a graph reads its in-place inputs at their addresses, and holds none of them
-        static = [_unowned(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+        static = [unowned_view(t) if isinstance(t, torch.Tensor) else t for t in inputs]
         for i in copied:
             static[i] = torch.empty_like(inputs[i])
         outputs = run(static)
@@ -80,7 +76,7 @@ class SimulatedRecorder:
 
         # the recording's outputs, owned by the sim (which scribbles over them) and handed out as
         # views that die with the caller's last reference, as the allocator's blocks would
-        handed = [_unowned(o) if any(o is m for m in mine) else o for o in outputs]
+        handed = [unowned_view(o) if any(o is m for m in mine) else o for o in outputs]
         return Recorded(replay, own_inputs, handed,
                         merge_ranges((_address(t), _address(t) + t.untyped_storage().nbytes()) for t in writable))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -94,10 +94,12 @@ class Handouts:
             self._live = [h for h in self._live if not h.ref.expired()]
             return [(h.start, h.end, h.owned) for h in self._live]
 
-    def holds(self, t: torch.Tensor) -> bool:
-        """Whether `t` lies in a live handout that the allocator protects (owned)."""
-        address = t.untyped_storage().data_ptr()
-        return any(start <= address < end and owned for start, end, owned in self.alive())
+    def held(self, values: Sequence[Any]) -> set[int]:
+        """The positions of the tensors among `values` that lie in a live handout the allocator
+        protects (owned)."""
+        owned = [(start, end) for start, end, is_owned in self.alive() if is_owned]
+        return {i for i, t in enumerate(values) if isinstance(t, torch.Tensor)
+                and any(start <= t.untyped_storage().data_ptr() < end for start, end in owned)}
 
     def move_out(self, ranges: Ranges | None = None, *,
                  unowned_only: bool = False) -> tuple[int, list[Callable[[], None] | None]]:

@@ -78,7 +78,8 @@ def unowned(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
 
 
-def _unowned(t: torch.Tensor) -> torch.Tensor:
+def unowned_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` over an `unowned` storage: the same memory and view, not keeping it allocated."""
     return _view_of(unowned(t.untyped_storage()), _view(t))
 
 
@@ -165,7 +166,7 @@ class CudaGraphRecorder:
         if not blocks:  # the allocator's snapshot does not show the pool: assume it writes anywhere
             writes = [(0, 1 << 64)]
         # the static inputs go with this frame: their pool memory is free for the next recordings
-        return Recorded(graph.replay, [_unowned(static[i]) for i in copied], outputs, writes)
+        return Recorded(graph.replay, [unowned_view(static[i]) for i in copied], outputs, writes)
 
 
 _recorder: CudaGraphRecorder | None = None
@@ -335,12 +336,15 @@ class GraphedFunction:
                 return self._recordings[index]
         return None
 
+    def _state_key(self, args: list[Any]) -> tuple[int, ...]:
+        return tuple(args[i].data_ptr() for i in self._in_place_idxs)
+
     def _first_sighting(self, args: list[Any]) -> bool:
         """Whether no call has had these module-state addresses yet (a layer's first call), which
         then runs uncaptured, as a warm-up of its own: its inputs are the previous layer's warm-up
         outputs, ordinary memory, where from its second call on they are outputs in the pool that
         its recording reads in place instead of copying them in."""
-        key = tuple(args[i].data_ptr() for i in self._in_place_idxs)
+        key = self._state_key(args)
         if key in self._seen:
             return False
         self._seen.add(key)
@@ -391,7 +395,7 @@ class GraphedFunction:
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         # module state: its sizes and strides are guarded by Dynamo, so only its address is checked
         self._in_place_idxs = [i for i, a in tensors if self._module_state(i, a)]
-        self._seen.add(tuple(args[i].data_ptr() for i in self._in_place_idxs))
+        self._seen.add(self._state_key(args))
         inputs = {_storage_key(a): i for i, a in tensors}
         groups: dict[int, int] = {}  # storage address -> index of its output storage
         self._specs = []
@@ -440,8 +444,7 @@ class GraphedFunction:
         if not self._clear(None, unowned_only=True):
             self.stats.uncaptured_calls += 1
             return None
-        in_place = set(self._in_place_idxs) | {i for i, a in enumerate(args)
-                                               if isinstance(a, torch.Tensor) and self._handouts.holds(a)}
+        in_place = set(self._in_place_idxs) | self._handouts.held(args)
         copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
         mismatch: list[str] = []
 
