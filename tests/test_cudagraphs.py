@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -27,7 +28,7 @@ from xform.capture_safety import find_breaks
 from xform.fxgraph import quotient_is_acyclic, to_digraph
 from xform.regions import plan_regions
 from xform.handouts import handouts, merge_ranges
-from xform.replay import Recorded, unowned_view
+from xform.replay import GraphedFunction, Recorded, unowned_view
 from xform.transforms import CudaGraphs
 
 
@@ -55,30 +56,40 @@ class SimulatedRecorder:
         static = [unowned_view(t) if isinstance(t, torch.Tensor) else t for t in inputs]
         for i in copied:
             static[i] = torch.empty_like(inputs[i])
-        outputs = run(static)
-        caller = {_address(t) for i, t in enumerate(inputs) if i not in copied and isinstance(t, torch.Tensor)}
-        mine = [o for o in outputs if isinstance(o, torch.Tensor) and _address(o) not in caller]
+        inputs.clear()  # taken over, as the real recorder does
+        # outputs that are views of in-place inputs (by identity: an input the run frees may leave
+        # its address to an output)
+        caller = {t.untyped_storage()._cdata for i, t in enumerate(static) if i not in copied
+                  and isinstance(t, torch.Tensor)}
+
+        def made(outputs):
+            return [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in caller]
+
+        outputs = run(list(static))
+        mine = made(outputs)
         own_inputs = [static[i] for i in copied]
         self.pool += own_inputs + mine
-        # as the allocator: the graph may write the whole pool but the blocks in use now, the owned
-        # outputs alive in it (it believes an unowned one free)
+        # as the allocator: the graph may write the whole pool but the blocks in use throughout,
+        # the owned outputs alive in it after the run (it believes an unowned one free, and an
+        # input the run consumed was freed during it)
         live = [(start, end) for start, end, owned in handouts.alive() if owned]
         writable = [t for t in self.pool if not any(start <= _address(t) < end for start, end in live)]
         written = {_address(t) for t in own_inputs}
 
         def replay():
+            # the graph reads its inputs before anything overwrites them
+            fresh = made(run(list(static)))
             for t in writable:
                 if _address(t) not in written:
                     _scribble(t)
-            for out, new in zip(mine, [o for o in run(static) if isinstance(o, torch.Tensor)
-                                       and _address(o) not in caller]):
+            for out, new in zip(mine, fresh):
                 out.copy_(new)
 
         # the recording's outputs, owned by the sim (which scribbles over them) and handed out as
         # views that die with the caller's last reference, as the allocator's blocks would
         handed = [unowned_view(o) if any(o is m for m in mine) else o for o in outputs]
         return Recorded(replay, own_inputs, handed,
-                        merge_ranges((_address(t), _address(t) + t.untyped_storage().nbytes()) for t in writable))
+                        merge_ranges((_address(t), _address(t) + t.untyped_storage().nbytes()) for t in self.pool))
 
     def warm_up(self, run, inputs):
         return run(inputs)
@@ -320,6 +331,99 @@ def test_a_layer_reads_the_previous_layers_output_in_place(recorder):
     # the layer before left it, in the pool
     assert layers.stats.copied_in_bytes == 3 * x.numel() * x.element_size()
     assert layers.stats.moved_bytes == 0
+
+
+def _plus_one_then_twice(recorder, second_recorder=None, seen=None):
+    """Two region functions as Inductor compiles them (each takes its list of inputs over): the
+    first makes y = x + 1 in the pool, the second consumes y (frees it) to make 2 y. `seen`, when
+    given, gets per run of the second whether `seen["y"]` (a weak reference to the caller's y) had
+    died by then, that is, whether anything but the region held it."""
+    def plus_one(args):
+        return [args.pop() + 1]
+
+    def twice(args):
+        (y,) = args
+        args.clear()
+        out = y * 2
+        del y
+        if seen is not None:
+            seen["freed"].append(seen["y"].expired())
+        return [out]
+
+    not_state = lambda index, t: False  # noqa: E731
+    return (GraphedFunction(plus_one, "forward 0", recorder, not_state),
+            GraphedFunction(twice, "backward 1", second_recorder or recorder, not_state))
+
+
+def _chain(first, second, x, *, hold=False):
+    (y,) = first([x])
+    args = [y]
+    if not hold:
+        del y
+    return second(args)[0]
+
+
+def test_an_input_the_region_consumes_is_freed_as_it_runs(recorder):
+    # a backward's saved activations die inside it, in the warm-up, the recording and the replays
+    # alike: the pool need not hold them and what the backward allocates after their last use
+    seen = {"freed": []}
+    first, second = _plus_one_then_twice(recorder, seen=seen)
+    for _ in range(4):  # warm-up, recording, replays
+        x = torch.randn(8)
+        (y,) = first([x])
+        seen["y"] = StorageWeakRef(y.untyped_storage())
+        args = [y]
+        del y
+        torch.testing.assert_close(second(args)[0], (x + 1) * 2)
+    assert (second.stats.recordings, second.stats.replays) == (1, 3)
+    assert len(seen["freed"]) >= 4 and all(seen["freed"])
+
+
+def test_an_output_where_a_consumed_input_lay_is_an_output_of_its_own(recorder):
+    # the region frees its input, and the allocator gives that memory to an output: the output is
+    # no view of the input (it is tracked as a handout), though its address is the input's
+    memory = torch.zeros(8)
+
+    def replace(args):
+        (y,) = args
+        args.clear()
+        total = y.sum()
+        del y
+        return [unowned_view(memory).fill_(total)]
+
+    function = GraphedFunction(replace, "backward 0", recorder, lambda index, t: False)
+    (out,) = function([unowned_view(memory).fill_(1.0)])
+    torch.testing.assert_close(out, torch.full((8,), 8.0))
+    assert (memory.data_ptr(), memory.data_ptr() + 32, True) in handouts.alive()
+
+
+@pytest.mark.parametrize("swaps", [True, False])
+def test_a_consumed_input_the_caller_still_holds_keeps_its_values(recorder, monkeypatch, swaps):
+    # recorded while nothing else held y, the graph writes over y's memory after its last read; a
+    # later caller holding y gets it moved out first (or, where storages cannot be repointed, the
+    # call runs uncaptured)
+    monkeypatch.setattr(xform.handouts, "SWAPS", swaps)
+    first, second = _plus_one_then_twice(recorder)
+    for _ in range(3):
+        _chain(first, second, torch.randn(8))
+    x = torch.randn(8)
+    (y,) = first([x])
+    expected = y.clone()
+    torch.testing.assert_close(second([y])[0], (x + 1) * 2)
+    torch.testing.assert_close(y, expected)
+    if swaps:
+        assert second.stats.moved_bytes == y.untyped_storage().nbytes() and second.stats.uncaptured_calls == 0
+    else:
+        assert (second.stats.stuck, second.stats.uncaptured_calls) == (1, 1)
+
+
+def test_a_failed_recording_of_a_region_that_consumes_its_input_still_runs_the_call(recorder):
+    failing = SimulatedRecorder(fail=RuntimeError("operation not permitted when stream is capturing"))
+    first, second = _plus_one_then_twice(recorder, failing)
+    for _ in range(3):
+        x = torch.randn(8)
+        torch.testing.assert_close(_chain(first, second, x), (x + 1) * 2)
+    assert second.stats.fallback.startswith("recording failed") and first.stats.replays == 2
 
 
 def test_a_parameter_moved_through_data_is_read_from_its_new_place(recorder):

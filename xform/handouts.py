@@ -65,6 +65,11 @@ def _overlaps(ranges: Ranges, starts: list[int], start: int, end: int) -> bool:
     return i + 1 < len(ranges) and ranges[i + 1][0] < end
 
 
+def meets(ranges: Ranges, start: int, end: int) -> bool:
+    """Whether [start, end) meets one of `ranges`."""
+    return _overlaps(ranges, [r[0] for r in ranges], start, end)
+
+
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """`ranges` sorted, with overlapping and touching ones joined, empty ones dropped."""
     merged: list[tuple[int, int]] = []
@@ -74,6 +79,20 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((start, end))
     return merged
+
+
+def subtract_ranges(ranges: Ranges, holes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` without the address ranges `holes`."""
+    left = list(ranges)
+    for hole_start, hole_end in holes:
+        cut: list[tuple[int, int]] = []
+        for start, end in left:
+            if end <= hole_start or start >= hole_end:
+                cut.append((start, end))
+                continue
+            cut += [r for r in ((start, hole_start), (hole_end, end)) if r[1] > r[0]]
+        left = cut
+    return left
 
 
 class Handouts:
@@ -94,12 +113,19 @@ class Handouts:
             self._live = [h for h in self._live if not h.ref.expired()]
             return [(h.start, h.end, h.owned) for h in self._live]
 
+    def owned(self) -> list[_Handout]:
+        """The live handouts the allocator protects: a recording made now cannot place anything
+        where those that outlive it lie."""
+        with self._lock:
+            self._live = [h for h in self._live if not h.ref.expired()]
+            return [h for h in self._live if h.owned]
+
     def held(self, values: Sequence[Any]) -> set[int]:
         """The positions of the tensors among `values` that lie in a live handout the allocator
         protects (owned)."""
-        owned = [(start, end) for start, end, is_owned in self.alive() if is_owned]
+        owned = self.owned()
         return {i for i, t in enumerate(values) if isinstance(t, torch.Tensor)
-                and any(start <= t.untyped_storage().data_ptr() < end for start, end in owned)}
+                and any(h.start <= t.untyped_storage().data_ptr() < h.end for h in owned)}
 
     def move_out(self, ranges: Ranges | None = None, *,
                  unowned_only: bool = False) -> tuple[int, list[Callable[[], None] | None]]:

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from xform.faults import strict
-from xform.handouts import Handouts, Ranges, handouts, merge_ranges
+from xform.handouts import Handouts, Ranges, handouts, meets, merge_ranges, subtract_ranges
 from xform.log import logger
 
 
@@ -52,14 +53,18 @@ class Recorded:
 
 class GraphRecorder(Protocol):
     """How graphs are recorded on a device: `record(run, inputs, copied)` records `run(inputs)`
-    with the inputs at positions `copied` replaced by buffers of the recorder's pool."""
+    with the inputs at positions `copied` replaced by buffers of the recorder's pool. It takes
+    `inputs` over (empties it) and hands `run` a list no one else holds, so that the inputs the
+    region consumes are freed during the recording, as in a plain run; `Recorded.writes` may be
+    the whole pool (the caller takes out what outlived the recording)."""
 
     device_type: str
 
     def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded: ...
 
     def warm_up(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> list[Any]:
-        """`run(inputs)`, uncaptured, with what it allocates in the recorder's pool."""
+        """`run(inputs)`, uncaptured, with what it allocates in the recorder's pool (`run` takes
+        `inputs` over)."""
         ...
 
 
@@ -112,6 +117,7 @@ class CudaGraphRecorder:
         # for the graphs recorded later (as CUDA Graph Trees do), and keeps the memory behind the
         # recordings' addresses reserved
         self._keeper = self._empty_graph()
+        self._retired: torch.cuda.CUDAGraph | None = None
 
     def _empty_graph(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -126,6 +132,8 @@ class CudaGraphRecorder:
         generators in capture mode: end a clean (empty) capture, which puts the generators back,
         and record into a fresh pool from now on (graphs already recorded keep theirs)."""
         torch.cuda.synchronize()
+        # the old pool stays until the next failure: the caller runs the call uncaptured from it
+        self._retired = self._keeper
         self._pool = torch.cuda.graph_pool_handle()
         self._keeper = self._empty_graph()
 
@@ -149,24 +157,22 @@ class CudaGraphRecorder:
     def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded:
         graph = torch.cuda.CUDAGraph()
         static = list(inputs)
-        in_use = {(start, end) for start, end, active in _pool_blocks(self._pool) if active}
+        inputs.clear()  # `run` takes the list over: what the region consumes is freed as it goes
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                for i in copied:  # allocated in the pool, alive until the capture ends; no work recorded
-                    static[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype,
-                                                    device=inputs[i].device)
+                for i in copied:  # allocated in the pool; no work recorded
+                    static[i] = torch.empty_strided(static[i].shape, static[i].stride(), dtype=static[i].dtype,
+                                                    device=static[i].device)
+                buffers = [unowned_view(static[i]) for i in copied]
                 outputs = run(static)
         except Exception:
             self._recover()
             raise
-        # the graph may write any pool memory but the blocks in use throughout (other recordings'
-        # outputs still alive): the capture could allocate nothing there
-        blocks = _pool_blocks(self._pool)
-        writes = merge_ranges((start, end) for start, end, active in blocks if not (active and (start, end) in in_use))
-        if not blocks:  # the allocator's snapshot does not show the pool: assume it writes anywhere
-            writes = [(0, 1 << 64)]
-        # the static inputs go with this frame: their pool memory is free for the next recordings
-        return Recorded(graph.replay, [unowned_view(static[i]) for i in copied], outputs, writes)
+        # the graph may write any of the pool's memory but where the blocks that outlived the
+        # capture lie (which the caller knows: outputs of other recordings still alive)
+        writes = merge_ranges((start, end) for start, end, _ in _pool_blocks(self._pool))
+        # the allocator's snapshot does not show the pool: assume it writes anywhere
+        return Recorded(graph.replay, buffers, outputs, writes or [(0, 1 << 64)])
 
 
 _recorder: CudaGraphRecorder | None = None
@@ -201,6 +207,23 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+class _InputStorages:
+    """The storages of a call's tensor inputs, known by identity, not address: an input the region
+    consumes is freed during the call, and its memory may then hold one of the outputs."""
+
+    def __init__(self, args: list[Any]) -> None:
+        self._refs: dict[int, tuple[int, StorageWeakRef]] = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                storage = a.untyped_storage()
+                self._refs.setdefault(storage._cdata, (i, StorageWeakRef(storage)))
+
+    def index_of(self, t: torch.Tensor) -> int | None:
+        """The input whose storage `t` is a view of, or None."""
+        entry = self._refs.get(t.untyped_storage()._cdata)
+        return entry[0] if entry is not None and not entry[1].expired() else None
+
+
 @dataclass
 class _OutputSpec:
     """What one output of the region function is: a view into output storage `group`, a view of
@@ -224,6 +247,17 @@ def _ptrs_equal(args: list[Any], ptrs: list[int | None], idxs: list[int]) -> boo
 _addresses_match = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", _ptrs_equal)
 
 
+def _hand_over(args: list[Any], consumable: Sequence[int]) -> list[Any]:
+    """The inputs in a list of their own, for the region to take over (and free what it consumes),
+    while `args` keeps stand-ins, to run the call again should the graph not replay: at positions
+    `consumable`, inputs in the pool that the region may free, unowned views of their memory (which
+    nothing allocates from before the region has run); elsewhere the inputs themselves."""
+    handed = list(args)
+    for i in consumable:
+        args[i] = unowned_view(args[i])
+    return handed
+
+
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -234,12 +268,14 @@ class _Recording:
     copies once a handout could not be moved out of another replay's way (`copy_from_now_on`)."""
 
     def __init__(self, ptrs: list[int | None], metas: dict[int, Any], in_place_idxs: list[int], copy_idxs: list[int],
-                 recorded: Recorded, specs: list[_OutputSpec], groups: int) -> None:
+                 consumed: list[int], recorded: Recorded, writes: Ranges, specs: list[_OutputSpec],
+                 groups: int) -> None:
         self.ptrs = ptrs  # per input: the address recorded in place, or None
         self.metas = metas  # input index -> size, stride, dtype, device it was recorded with (or its value)
         self.in_place_idxs = in_place_idxs
         self.copy_idxs = copy_idxs
-        self.replay, self.inputs, self.writes = recorded.replay, recorded.inputs, recorded.writes
+        self.consumed = consumed  # in-place inputs the recording freed: the graph may write over them
+        self.replay, self.inputs, self.writes = recorded.replay, recorded.inputs, writes
         self.copied_bytes = sum(t.numel() * t.element_size() for t in self.inputs)
         first = {s.group: out for s, out in zip(specs, recorded.outputs) if s.group is not None}
         self._owned: list[torch.UntypedStorage] | None = [first[g].untyped_storage() for g in range(groups)]
@@ -294,19 +330,24 @@ class GraphedFunction:
         self._handouts = handouts
         self._specs: list[_OutputSpec] = []
         self._groups = 0
+        self._aliased: set[int] = set()  # inputs that outputs are views of
         self._in_place_idxs: list[int] = []  # module state, learned in the warm-up
         self._seen: set[tuple[int, ...]] = set()  # module-state addresses of the calls so far
         self._recordings: list[_Recording] = []
         self._last = -1  # index of the recording that matched last
 
     def __call__(self, args: list[Any]) -> list[Any]:
+        """Run the region on `args`, which it takes over (empties), as Inductor's compiled functions
+        do: inputs the region consumes (a backward's saved activations) are then freed as it goes,
+        in its warm-up and its recording as in a plain run, and the pool needs no room for them."""
         if self.stats.fallback is not None:
             self.stats.uncaptured_calls += 1
             return self._call(args)
         if self._warmup > 0:
             self._warmup -= 1
+            inputs = self._learn_inputs(args)
             outputs = self._warm_up(args)
-            self._learn(args, outputs)
+            self._learn_outputs(outputs, inputs)
             return outputs
         recording = self._find(args)
         if recording is None:
@@ -316,7 +357,10 @@ class GraphedFunction:
                 return self._warm_up(args)
             recording = self._record(args)
             if recording is None:
+                self.stats.uncaptured_calls += 1
                 return self._call(args)
+        elif recording.consumed:  # not held while the live handouts are looked at: the graph may overwrite them
+            _hand_over(args, recording.consumed)
         if not self._clear(recording.writes):
             self.stats.uncaptured_calls += 1
             return self._call(args)
@@ -366,7 +410,7 @@ class GraphedFunction:
         return not stuck
 
     def _call(self, args: list[Any]) -> list[Any]:
-        return list(self.compiled(list(args)))
+        return list(self.compiled(args))
 
     def _warm_up(self, args: list[Any]) -> list[Any]:
         """A call before the recording, uncaptured, allocating in the pool. The allocator must see
@@ -374,10 +418,10 @@ class GraphedFunction:
         out it owns, and a replay recorded earlier may write there, so it is tracked too."""
         if not self._clear(None, unowned_only=True):
             return self._call(args)
+        inputs = _InputStorages(args)
         outputs = self._recorder.warm_up(self._call, args)
-        inputs = {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         fresh = {_storage_key(o): o.untyped_storage() for o in outputs
-                 if isinstance(o, torch.Tensor) and _storage_key(o) not in inputs}
+                 if isinstance(o, torch.Tensor) and inputs.index_of(o) is None}
         for storage in fresh.values():
             self._handouts.add(storage, owned=True)
         return outputs
@@ -390,13 +434,16 @@ class GraphedFunction:
                         f"run uncaptured")
         return self._call(args)
 
-    def _learn(self, args: list[Any], outputs: list[Any]) -> None:
-        """From an uncaptured call: which inputs stay in place, what each output is."""
+    def _learn_inputs(self, args: list[Any]) -> _InputStorages:
+        """Before the first call: which inputs stay in place; the inputs' storages."""
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         # module state: its sizes and strides are guarded by Dynamo, so only its address is checked
         self._in_place_idxs = [i for i, a in tensors if self._module_state(i, a)]
         self._seen.add(self._state_key(args))
-        inputs = {_storage_key(a): i for i, a in tensors}
+        return _InputStorages(args)
+
+    def _learn_outputs(self, outputs: list[Any], inputs: _InputStorages) -> None:
+        """After the first call: what each output is."""
         groups: dict[int, int] = {}  # storage address -> index of its output storage
         self._specs = []
         for out in outputs:
@@ -405,13 +452,14 @@ class GraphedFunction:
                 continue
             if out.device.type != self._recorder.device_type:
                 return self._give_up(f"an output is on {out.device.type}, not {self._recorder.device_type}")
-            key = _storage_key(out)
-            if key in inputs:
-                self._specs.append(_OutputSpec(alias_of=inputs[key], view=_view(out)))
+            alias_of = inputs.index_of(out)
+            if alias_of is not None:
+                self._specs.append(_OutputSpec(alias_of=alias_of, view=_view(out)))
                 continue
             # outputs that are views of one tensor share one storage, as they did
-            self._specs.append(_OutputSpec(group=groups.setdefault(key, len(groups)), view=_view(out)))
+            self._specs.append(_OutputSpec(group=groups.setdefault(_storage_key(out), len(groups)), view=_view(out)))
         self._groups = len(groups)
+        self._aliased = {spec.alias_of for spec in self._specs if spec.alias_of is not None}
 
     def _outputs(self, storages: list[torch.UntypedStorage], args: list[Any]) -> list[Any]:
         results = []
@@ -438,23 +486,30 @@ class GraphedFunction:
         return found
 
     def _record(self, args: list[Any]) -> _Recording | None:
+        """Record a graph for `args`' signature. `args` is left holding stand-ins (`_hand_over`),
+        which a failed recording runs uncaptured."""
         # the allocator must see every output alive in the pool, or the capture may place its own
         # memory there: the unowned ones (handed out by later replays) are moved out first, the
         # owned ones stay where they are and are read in place (a forward's saved activations)
         if not self._clear(None, unowned_only=True):
-            self.stats.uncaptured_calls += 1
             return None
-        in_place = set(self._in_place_idxs) | self._handouts.held(args)
+        held = self._handouts.held(args)
+        in_place = set(self._in_place_idxs) | held
         copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
+        ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
+        # numbers are recorded as constants: a different value needs a recording of its own
+        metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args) if i not in in_place}
+        consumable = sorted(held - self._aliased)
+        before = self._handouts.owned()
         mismatch: list[str] = []
 
         def run(inputs: list[Any]) -> list[Any]:
-            produced = list(self.compiled(list(inputs)))
+            produced = list(self.compiled(inputs))
             mismatch.extend(self._differences(produced))
             return produced
 
         try:
-            recorded = self._recorder.record(run, list(args), copy_idxs)
+            recorded = self._recorder.record(run, _hand_over(args, consumable), copy_idxs)
         except Exception as error:
             if strict():
                 raise
@@ -463,10 +518,12 @@ class GraphedFunction:
         if mismatch:
             self._give_up(f"the recorded run differed from the warm-up: {mismatch[0]}")
             return None
-        ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
-        # numbers are recorded as constants: a different value needs a recording of its own
-        metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args) if i not in in_place}
-        recording = _Recording(ptrs, metas, sorted(in_place), copy_idxs, recorded, self._specs, self._groups)
+        # what outlived the recording was never the graph's to write; what it freed (inputs it
+        # consumed) it may have written over
+        writes = subtract_ranges(recorded.writes, [(h.start, h.end) for h in before if not h.ref.expired()])
+        consumed = [i for i in consumable if meets(writes, ptrs[i], ptrs[i] + 1)]
+        recording = _Recording(ptrs, metas, sorted(in_place), copy_idxs, consumed, recorded, writes, self._specs,
+                               self._groups)
         self._recordings.append(recording)
         self._last = len(self._recordings) - 1
         self.stats.recordings += 1
