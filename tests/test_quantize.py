@@ -310,3 +310,20 @@ def test_a_recipe_whose_torchao_module_raises_on_import_is_refused_with_the_reas
                                                    r"ModuleNotFoundError: No module named 'cutlass.base_dsl._mlir_helpers'"
                                                    r"\. Here, use "):
         Quantize("float8-rowwise").check("cpu")
+
+
+def test_torchao_inference_settings_reach_the_quantized_graphs_only():
+    # torchao's float8 inference configs set coordinate-descent tuning on the process's global
+    # Inductor config; xform keeps the global config as it was and asks for the settings for
+    # its own compiles, where the user's options still win
+    import torch._inductor.config as inductor_config
+
+    before = (inductor_config.coordinate_descent_tuning, inductor_config.coordinate_descent_check_all_directions)
+    model = ffn()
+    compiled = xform.compile(model, "quantize:float8-weight-only", handoff="eager")
+    compiled(torch.randn(4, 128, dtype=torch.bfloat16))
+    assert (inductor_config.coordinate_descent_tuning, inductor_config.coordinate_descent_check_all_directions) == before
+    assert xform.Backend(["quantize:float8-weight-only"]).pipeline.handoff.config_patches["coordinate_descent_tuning"]
+    user = xform.Backend(["quantize:float8-dynamic"], inductor_options={"coordinate_descent_tuning": False})
+    assert user.pipeline.handoff.config_patches["coordinate_descent_tuning"] is False
+    assert xform.Backend(["quantize:float8-rowwise"]).pipeline.handoff.config_patches is None

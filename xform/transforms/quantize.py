@@ -95,6 +95,7 @@ class Recipe:
     bf16_weights: bool = False
     bias: bool = True  # whether the recipe takes layers with a bias
     instead: str = "float8-weight-only"  # what to suggest when torchao cannot run it here
+    inductor: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings for the graphs it quantizes
 
     def apply(self, linear: nn.Linear, plan: Plan) -> nn.Module:
         """Quantize one layer: swap its weight in place (returns it) or return the swapped-in module."""
@@ -173,19 +174,27 @@ def _mxfp8_training_plan(device: Device, handoff: str) -> Plan:
                 emulated="torchao's emulated MXFP8 recipe (no SM100 MXFP8 kernels here)")
 
 
+# torchao's `recommended_inductor_config_setter`, which its float8 inference configs run by default
+# (`set_inductor_config=True`) on the process's global Inductor config, changing every later
+# compile in the process (coordinate descent over all directions: minutes of compile for a model
+# with attention). xform turns that off and asks for the same settings for the quantized graphs only.
+TORCHAO_INDUCTOR = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
+                    "force_fuse_int_mm_with_mul": True}
+
+
 def _float8_dynamic_plan(device: Device, handoff: str) -> Plan:
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
     if not device.at_least(8, 9):
         raise _unsupported("float8-dynamic", device, "a CUDA GPU of SM89 or newer for float8 matmuls with "
                            "dynamically quantized activations", "float8-weight-only or nvfp4-weight-only")
-    return Plan(Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return Plan(Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False))
 
 
 def _float8_weight_only_plan(device: Device, handoff: str) -> Plan:
     from torchao.quantization import Float8WeightOnlyConfig
 
-    return Plan(Float8WeightOnlyConfig())
+    return Plan(Float8WeightOnlyConfig(set_inductor_config=False))
 
 
 def _mxfp8_inference_plan(device: Device, handoff: str) -> Plan:
@@ -232,9 +241,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("mxfp8", True, "MXFP8 training (32-element blocks, e8m0 scales)", _mxfp8_training_plan,
            multiple_of=32, bf16_weights=True, instead="float8-rowwise"),
     Recipe("float8-dynamic", False, "float8 weights and per-row dynamically quantized activations",
-           _float8_dynamic_plan),
+           _float8_dynamic_plan, inductor=TORCHAO_INDUCTOR),
     Recipe("float8-weight-only", False, "float8 weights, activations in high precision", _float8_weight_only_plan,
-           multiple_of=1),
+           multiple_of=1, inductor=TORCHAO_INDUCTOR),
     Recipe("mxfp8-inference", False, "MXFP8 weights and activations", _mxfp8_inference_plan, multiple_of=32,
            bf16_weights=True),
     Recipe("nvfp4", False, "NVFP4 weights and activations (Blackwell)", _nvfp4_plan),
@@ -279,6 +288,9 @@ class Quantize(Transform):
             raise ValueError(f"xform: transform 'quantize' needs a recipe, e.g. quantize:float8-rowwise; "
                              f"accepted: {_recipe_list()}")
         return cls(argument)
+
+    def inductor_config(self) -> dict[str, Any]:
+        return dict(RECIPES[self.recipe].inductor)
 
     def check(self, device: torch.device | str, handoff: str = "inductor") -> Plan:
         """How the recipe would run on `device` (raises `QuantizeUnsupported` if it cannot)."""
