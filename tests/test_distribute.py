@@ -24,6 +24,7 @@ TRAIN = Path(__file__).resolve().parent / "distributed" / "train.py"
 CORPUS = Path(__file__).resolve().parent / "distributed" / "corpus_run.py"
 STEPS = 10
 EXACT = 1e-5  # same math, summed in another order across ranks
+FLOAT8_DRIFT = 1e-2  # float8 training, sharded vs one process (see test_fsdp_composes_with_float8_rowwise)
 FSDP2_DRIFT = 5e-2  # FSDP2 by hand drifts from the one-process run here (measured: up to 3.4e-2 in 10 steps)
 
 
@@ -86,7 +87,12 @@ def test_fsdp_composes_with_float8_rowwise(tmp_path):
     sharded = run(tmp_path, 2, "--way", "xform", "--strategy", "fsdp", "--quantize", "float8-rowwise",
                   "--steps", str(STEPS))
     assert alone["notes"][-1] == "single process (WORLD_SIZE 1, no process group): nothing to distribute"
-    assert_losses(sharded, alone, 1e-3)  # float8 casts of gathered weights: the same up to rounding
+    # float8 casts of gathered weights: the same up to rounding. A last-bit difference of a
+    # gradient summed over ranks can flip a float8 rounding, and such flips compound over steps:
+    # measured up to 3.3e-3 by step 7 on one CI CPU (and < 1e-3 on another), against float8's own
+    # gap to the full-precision run of about 4e-3 a step. So: exact early on, float8's scale later.
+    assert_losses(sharded, alone, FLOAT8_DRIFT)
+    assert max(abs(a - e) for a, e in zip(sharded["losses"][:3], alone["losses"][:3])) <= EXACT
     assert sharded["changes"] == 27
 
 
