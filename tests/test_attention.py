@@ -159,7 +159,7 @@ def test_inductor_cpu_kernels_for_inference(pattern):
     assert changes(pattern)[0].endswith("cpu; block mask built once)") or pattern is hand_document
 
 
-def test_static_block_masks_are_built_once_and_data_masks_per_call(monkeypatch):
+def test_static_block_masks_are_built_once(monkeypatch):
     import torch.nn.attention.flex_attention as flex
 
     built = []
@@ -167,25 +167,84 @@ def test_static_block_masks_are_built_once_and_data_masks_per_call(monkeypatch):
     monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: built.append(1) or original(*a, **kw))
     q, k, v, extra = inputs(requires_grad=False)
     static = xform.compile(sdpa_causal, "flex-attention", handoff="eager")
-    data = xform.compile(hand_document, "flex-attention", handoff="eager")
-
-    static(q, k, v, extra)
-    after_compile = len(built)
-    for _ in range(3):
+    for _ in range(4):
         static(q, k, v, extra)
-    assert len(built) == after_compile == 1  # at compile time only
-    builds = []
+    assert len(built) == 1  # at compile time only
+
+
+def hand_document_computed_ids(q, k, v, extra):
+    """The document mask of ids the graph computes (from per-token document starts)."""
+    return hand_document(q, k, v, {"ids": extra["starts"].cumsum(-1)})
+
+
+def hand_document_ids_read_elsewhere(q, k, v, extra):
+    """The document mask, and the ids read by another op of the graph too."""
+    return hand_document(q, k, v, extra) + extra["ids"][:, None, :, None]
+
+
+def _builds(monkeypatch) -> list[int]:
     from xform.transforms.attention import BlockMaskBuild
 
-    call = BlockMaskBuild.__call__
+    builds, call = [], BlockMaskBuild.__call__
     monkeypatch.setattr(BlockMaskBuild, "__call__", lambda self, *a: builds.append(1) or call(self, *a))
-    data(q, k, v, extra)  # compiles (one build on fake tensors) and runs
-    builds.clear()
-    data(q, k, v, extra)
-    data(q, k, v, extra)
-    assert len(builds) == 2  # the document mask reads the ids of each call
-    assert len(built) == after_compile  # from per-block bounds: create_block_mask is not called
-    assert changes(hand_document)[0].endswith("block mask built per call from per-block bounds of the data it reads)")
+    return builds
+
+
+def test_a_data_mask_of_the_callers_ids_is_built_before_the_call_and_reused_while_they_are_unchanged(monkeypatch):
+    import torch.nn.attention.flex_attention as flex
+
+    q, k, v, extra = inputs(requires_grad=False)
+    model = AsModule(hand_document)
+    compiled = xform.compile(model, "flex-attention", handoff="eager")
+    compiled(q, k, v, extra)  # compiles: one build on fake tensors, one on the example ids
+    builds = _builds(monkeypatch)
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: pytest.fail("built at every position"))
+
+    def check(ids: torch.Tensor, expected_builds: int) -> None:
+        out = compiled(q, k, v, {**extra, "ids": ids})
+        torch.testing.assert_close(out, hand_document(q, k, v, {"ids": ids}), atol=2e-5, rtol=2e-5)
+        assert len(builds) == expected_builds
+
+    ids = extra["ids"]
+    check(ids, 0)
+    check(ids, 0)  # the same tensor, unchanged: the block mask of the example call
+    ids[:, : S // 2] = 0  # written in place: its version moved
+    check(ids, 1)
+    check(ids, 1)
+    check(ids.clone(), 2)  # another tensor with the same values: built again (nothing compares values)
+    (change,) = changes(model)
+    assert change.endswith("block mask built before each call, and reused while that data is unchanged, from "
+                           "per-block bounds of the data it reads)")
+
+
+def test_a_data_mask_of_ids_the_graph_computes_is_built_per_call_in_the_graph(monkeypatch):
+    q, k, v, extra = inputs(requires_grad=False)
+    extra["starts"] = torch.rand(B, S) < 0.05
+    model = AsModule(hand_document_computed_ids)
+    compiled = xform.compile(model, "flex-attention", handoff="eager")
+    compiled(q, k, v, extra)
+    builds = _builds(monkeypatch)
+    for _ in range(2):
+        out = compiled(q, k, v, extra)
+    torch.testing.assert_close(out, hand_document_computed_ids(q, k, v, extra), atol=2e-5, rtol=2e-5)
+    assert len(builds) == 2
+    assert changes(model)[0].endswith("block mask built per call from per-block bounds of the data it reads)")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _flex_cpu_reads_data_tensors(),
+                    reason="torch 2.11's CPU flex kernel cannot lower a mask_mod that reads a data tensor")
+def test_a_reused_block_mask_is_rebuilt_by_inductor_when_the_ids_change():
+    q, k, v, extra = inputs(requires_grad=False)
+    model = AsModule(hand_document)
+    compiled = xform.compile(model, "flex-attention")  # Inductor
+    with torch.no_grad():
+        compiled(q, k, v, extra)
+        for shift in (0, 1, 2):
+            ids = (extra["ids"] + shift * (torch.arange(S) >= S // 3)).contiguous()
+            torch.testing.assert_close(compiled(q, k, v, {**extra, "ids": ids}),
+                                       hand_document(q, k, v, {"ids": ids}), atol=2e-5, rtol=2e-5)
+    assert "reused while that data is unchanged" in changes(model)[0]
 
 
 def test_a_transformer_block_gets_flex_attention():
@@ -293,29 +352,41 @@ def test_regression_in_place_ops_outside_the_attention_survive_the_rewrite():
     torch.testing.assert_close(xform.compile(model, "flex-attention", handoff="eager")(x, q, k, v), model(x, q, k, v))
 
 
+@pytest.mark.parametrize("pattern, refused_because", [
+    (hand_document, None),
+    (hand_document_computed_ids, ("node 'ids' (test_attention.py:", " in hand_document_computed_ids: return "
+                                  "hand_document(q, k, v, {\"ids\": extra[\"starts\"].cumsum(-1)})) computes it in "
+                                  "the graph, so its block mask is built in the graph from it")),
+    (hand_document_ids_read_elsewhere, ("the graph also reads it at node 'getitem_4' (test_attention.py:",
+                                        " in hand_document_ids_read_elsewhere: return hand_document(q, k, v, extra) "
+                                        "+ extra[\"ids\"][:, None, :, None])")),
+], ids=["ids-only-the-mask-reads", "ids-computed", "ids-read-elsewhere"])
 @pytest.mark.parametrize("requires_grad, training", [(False, False), (True, False), (True, True)])
-def test_a_data_mask_without_a_backward_stays_as_written_under_inductor_on_cuda(monkeypatch, requires_grad, training):
+def test_a_data_mask_without_a_backward_is_left_under_inductor_on_cuda_where_other_ops_read_its_data(
+        monkeypatch, pattern, refused_because, requires_grad, training):
     """On the H200 with torch 2.11, flex inference with a block mask built in the graph from the
     ids the mask_mod also reads crashed (Triton: illegal memory access; Flash: UnboundLocalError,
     pytorch#181800): under Inductor on CUDA such a site stays as written unless the graph has a
-    backward. The CUDA rule is applied here on the CPU, in the place of the CPU's own."""
+    backward, or the ids are an input only the mask reads (the block mask is then built before the
+    call, as by hand). The CUDA rule is applied here on the CPU, in the place of the CPU's own."""
     import xform.transforms.attention as attention
 
-    monkeypatch.setattr(attention, "_inductor_cpu_refusal", attention._inductor_cuda_refusal)
-    monkeypatch.setattr(attention.FlexAttention, "_backend_for", lambda self, site: "cpu")
+    monkeypatch.setattr(attention.FlexAttention, "_device_refusal",
+                        lambda self, site, graph, replaced: attention._inductor_cuda_refusal(site, graph, replaced))
     q, k, v, extra = inputs(requires_grad)  # leaves needing a gradient, called under no_grad: no backward
-    model = AsModule(hand_document)  # a module of its own: a function's report gathers every compile of it
-    compiled = xform.compile(model, "flex-attention", handoff="eager")
-    monkeypatch.setattr(xform.handoff.EagerHandoff, "name", "inductor")  # the refusal is Inductor's
+    extra["starts"] = torch.rand(B, S) < 0.05
+    model = AsModule(pattern)  # a module of its own: a function's report gathers every compile of it
     with torch.set_grad_enabled(training):
-        compiled(q, k, v, extra)
+        out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+        torch.testing.assert_close(out, pattern(q, k, v, extra), atol=2e-5, rtol=2e-5)
     report = xform.report(model)
-    if training:
+    if training or refused_because is None:
         assert len(report.changes("flex-attention")) == 1 and report.skips("flex-attention") == []
     else:
         (skip,) = report.skips("flex-attention")
+        assert all(part in skip.reason for part in refused_because), skip.reason
         assert "in a graph with no backward Inductor's flex lowering does not keep that data alive" in skip.reason
-        assert "illegal memory access" in skip.reason and "build the BlockMask outside" in skip.reason
+        assert "illegal memory access" in skip.reason and "pass the data (the ids) as an input" in skip.reason
 
 
 def test_flash_that_does_not_import_is_named_with_its_error(monkeypatch):

@@ -561,3 +561,37 @@ def test_one_graph_serving_many_layers_records_each_layer(recorder):
     layer_graph = next(f for f in transform.functions if f.stats.recordings > 1)
     # the first call runs each layer uncaptured (a warm-up per parameters), then one recording each
     assert (layer_graph.stats.recordings, layer_graph.stats.uncaptured_calls) == (6, 0)
+
+
+class DocumentAttention(nn.Module):
+    """Attention with a document mask of per-token ids the caller passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x, ids):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(x.shape[1])
+        mask = (ids[:, None, :, None] == ids[:, None, None, :]) & (pos[:, None] >= pos[None, :])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum(1)
+
+
+def test_a_document_mask_built_before_the_call_keeps_the_graph_one_region(recorder):
+    """The block mask of the caller's ids is built outside the graph (and reused while they are
+    unchanged), so the graph records whole; a replay reads the block mask of the ids it is given."""
+    model, transform = DocumentAttention().eval(), CudaGraphs(min_region_ops=1)
+    step = torch.compile(model, backend=xform.Backend(["flex-attention", transform], handoff="eager"))
+    x = torch.randn(2, 256, 16)
+    ids = torch.randint(0, 3, (2, 256)).sort(-1).values
+    with torch.no_grad():
+        for call in range(5):
+            if call == 3:
+                ids[:, 100:] += 1  # the same tensor, written in place: its block mask is built again
+            torch.testing.assert_close(step(x, ids), model(x, ids), atol=2e-5, rtol=2e-5)
+        other = torch.zeros_like(ids)
+        torch.testing.assert_close(step(x, other), model(x, other), atol=2e-5, rtol=2e-5)
+    (change,) = xform.report(model).changes("cudagraphs")
+    assert change.detail.startswith("the whole graph")
+    (stats,) = [f.stats for f in transform.functions]
+    assert stats.recordings == 1 and stats.replays >= 3

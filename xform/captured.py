@@ -13,6 +13,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+DerivedInputs = Callable[[tuple], tuple]  # a call's inputs (as Dynamo passes them) -> the tensors xform adds
+
 import torch
 from torch import fx, nn
 
@@ -66,10 +68,13 @@ class CapturedGraph:
         self.example_inputs = list(example_inputs)
         self.frame = frame
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.dynamo_input_count = len(self.placeholders)
         self._sources: dict[str, Any] = {}
         self._locations: dict[str, ModuleAttribute] = {}
         self._live_modules: dict[str, nn.Module] = {}
-        self.constant_inputs: list[torch.Tensor] = []  # appended to every call by the pipeline
+        # what the pipeline appends to every call, in placeholder order: a constant tensor, or a
+        # function of the call's own inputs giving a tuple of tensors (`add_derived_inputs`)
+        self.added_inputs: list[torch.Tensor | DerivedInputs] = []
         self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
         self.parameters: list[GraphParameter] = []
         self.module_state: set[fx.Node] = set()  # placeholders of the model's parameters and buffers
@@ -185,6 +190,23 @@ class CapturedGraph:
         Not a buffer of the graph module: AOTAutograd takes those for the model's parameters and
         wants a Dynamo source for each. Returns the new placeholder.
         """
+        self.added_inputs.append(tensor)
+        return self._add_input(name, tensor)
+
+    def add_derived_inputs(self, name: str, compute: DerivedInputs, examples: Sequence[torch.Tensor]) -> list[fx.Node]:
+        """Tensors the graph reads that xform computes on every call from the call's own inputs
+        (`compute(args)`, args as Dynamo passes them), before the compiled graph runs: work hoisted
+        out of the graph so that it can be skipped when its inputs did not change. `examples` are
+        real tensors of what `compute` gives for the example inputs. Returns the new placeholders."""
+        self.added_inputs.append(compute)
+        return [self._add_input(f"{name}_{i}", tensor) for i, tensor in enumerate(examples)]
+
+    def dynamo_input_index(self, node: fx.Node) -> int | None:
+        """Where placeholder `node` is among the inputs Dynamo passes (None: one xform added)."""
+        index = self.placeholders.index(node)
+        return index if index < self.dynamo_input_count else None
+
+    def _add_input(self, name: str, tensor: torch.Tensor) -> fx.Node:
         g = self.gm.graph
         with g.inserting_after(self.placeholders[-1] if self.placeholders else None):
             node = g.placeholder(f"xform_{name}")
@@ -192,7 +214,6 @@ class CapturedGraph:
         node.meta["example_value"] = fake_like(traced, tensor) if traced is not None else tensor
         self.placeholders.append(node)
         self.example_inputs.append(tensor)
-        self.constant_inputs.append(tensor)
         if self.frame is not None:
             from torch._dynamo.source import ConstantSource
 

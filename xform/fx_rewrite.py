@@ -3,6 +3,7 @@ filled in, so later transforms can read the dtype and shape of every node they i
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -40,6 +41,9 @@ def insert_call(graph: fx.Graph, op: str, target: Any, args: tuple[Any, ...],
     return node
 
 
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.imatmul, operator.itruediv,
+                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift, operator.setitem}
 _SIDE_EFFECTS = {print, setattr, "__setitem__", "record_stream", "backward", "retain_grad", "register_hook"}
 
 
@@ -50,23 +54,34 @@ def _pure(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__")
+    if getattr(node.target, "__module__", None) == "_operator":  # operator.and_ is `a & b`; `a &= b` is iand
+        in_place = node.target in _IN_PLACE_OPERATORS
+    else:
+        in_place = name.endswith("_") and not name.endswith("__")
     if in_place or node.target in _SIDE_EFFECTS or name in _SIDE_EFFECTS:
         return False
     return not (node.op == "call_function" and (name.startswith("_set_") or "grad_enabled" in name))
 
 
-def remove_unused(graph: fx.Graph, starts: list[Any]) -> int:
-    """Erase the nodes left unused by a rewrite, walking up from `starts` (the inputs of what was
-    replaced) and stopping at anything impure or still used. Returns how many were erased."""
-    erased = 0
+def unused_after(starts: list[Any], gone: set[fx.Node] | frozenset = frozenset()) -> set[fx.Node]:
+    """The nodes, walking up from `starts`, that nothing would use once `gone` were erased: each a
+    pure call (see `_pure`) whose users are all in `gone` or found unused themselves."""
+    dead: set[fx.Node] = set()
     stack = [n for n in starts if isinstance(n, fx.Node)]
     while stack:
         node = stack.pop()
-        if node.graph is not graph or node.users or not _pure(node):
+        if node in dead or not _pure(node) or any(u not in dead and u not in gone for u in node.users):
             continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        erased += 1
-        stack.extend(inputs)
-    return erased
+        dead.add(node)
+        stack.extend(node.all_input_nodes)  # a node passed over while a user was alive comes back here
+    return dead
+
+
+def remove_unused(graph: fx.Graph, starts: list[Any]) -> int:
+    """Erase the nodes left unused by a rewrite, walking up from `starts` (the inputs of what was
+    replaced) and stopping at anything impure or still used. Returns how many were erased."""
+    dead = unused_after([n for n in starts if isinstance(n, fx.Node) and n.graph is graph])
+    for node in reversed(list(graph.nodes)):  # users before the nodes they use
+        if node in dead:
+            graph.erase_node(node)
+    return len(dead)

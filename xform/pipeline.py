@@ -155,8 +155,8 @@ class Pipeline:
                 f"(XFORM_LOG=debug prints the transformed graph)."
             ) from error
         record.handoff_seconds = time.perf_counter() - start
-        if graph.constant_inputs:
-            compiled = _with_constants(compiled, tuple(graph.constant_inputs))
+        if graph.added_inputs:
+            compiled = _with_added_inputs(compiled, graph.added_inputs)
 
         for t in using("transform_guards"):
             with _timed(t, records[t.name], "transform_guards"):
@@ -184,11 +184,16 @@ def _aot_hook(users: list[Transform], records: dict[str, TransformRecord]) -> Ca
     return hook
 
 
-def _with_constants(compiled: Callable[..., Any], constants: tuple[Any, ...]) -> Callable[..., Any]:
-    """The compiled graph, called with the inputs Dynamo passes plus xform's constant inputs."""
+def _with_added_inputs(compiled: Callable[..., Any], added: list[Any]) -> Callable[..., Any]:
+    """The compiled graph, called with the inputs Dynamo passes plus the ones xform added: constant
+    tensors, and tensors computed from the call's inputs (`CapturedGraph.add_derived_inputs`)."""
+    if not any(callable(a) for a in added):
+        constants = tuple(added)
+        return lambda *args: compiled(*args, *constants)
+    parts = [a if callable(a) else (lambda _, t=a: (t,)) for a in added]
 
     def call(*args: Any) -> Any:
-        return compiled(*args, *constants)
+        return compiled(*args, *(t for part in parts for t in part(args)))
 
     return call
 

@@ -42,11 +42,13 @@ import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from xform.capture_safety import user_source
 from xform.captured import CapturedGraph
-from xform.fx_rewrite import example_value, insert_call, remove_unused
+from xform.fx_rewrite import example_value, insert_call, remove_unused, unused_after
 from xform.index_mods import (IndexProgram, NotBounded, NotElementwise, block_bounds, causal_program, dense_program,
                               index_program)
 from xform.registry import register_transform
+from xform.reused_inputs import ReusedComputation
 from xform.report import TransformRecord
 from xform.transform import Transform, option_error
 
@@ -397,11 +399,12 @@ class BlockMaskBuild:
     def __call__(self, *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(x for x in self.block_mask(*buffers).as_tuple() if isinstance(x, torch.Tensor))
 
-    @property
-    def how(self) -> str:
+    def how(self, before_the_call: bool) -> str:
+        when = "built before each call, and reused while that data is unchanged," if before_the_call else \
+            "built per call"
         if self.fallback is None:
-            return "built per call from per-block bounds of the data it reads"
-        return f"built per call from the data it reads, at every position ({self.fallback})"
+            return f"{when} from per-block bounds of the data it reads"
+        return f"{when} from the data it reads, at every position ({self.fallback})"
 
 
 def _bounded_block_mask(masks: list[Term], buffers: tuple, sizes: tuple[int | None, ...], device: torch.device,
@@ -497,8 +500,11 @@ class FlexAttention(Transform):
             if site is not None:
                 sites.append(site)
         built: list[_BuiltBlockMask] = []  # this graph's block masks, shared by the sites whose masks match
+        taken = [s for s in sites if s.refusal is None and _shape_refusal(s) is None]
+        replaced = {s.output for s in taken}
+        replaced |= unused_after([n for s in taken for n in s.output.all_input_nodes], gone=replaced)
         for site in sites:
-            reason = site.refusal or _shape_refusal(site) or self._device_refusal(site, graph)
+            reason = site.refusal or _shape_refusal(site) or self._device_refusal(site, graph, replaced)
             if reason is not None:
                 record.skipped(site.where, reason)
                 continue
@@ -508,11 +514,14 @@ class FlexAttention(Transform):
             for later in sites:  # an attention's output feeding the next one (q = attention(q, ...))
                 later.q, later.k, later.v = (new if n is old else n for n in (later.q, later.k, later.v))
 
-    def _device_refusal(self, site: AttentionSite, graph: CapturedGraph) -> str | None:
+    def _device_refusal(self, site: AttentionSite, graph: CapturedGraph, replaced: set[fx.Node]) -> str | None:
+        """`replaced`: the attentions to be rewritten and the nodes only they use."""
         if graph.handoff != "inductor":  # the refusals are of Inductor's lowerings; flex's reference math takes all
             return None
-        refusal = {"cpu": _inductor_cpu_refusal, "cuda": _inductor_cuda_refusal}.get(example_value(site.q).device.type)
-        return refusal(site) if refusal else None
+        device = example_value(site.q).device.type
+        if device == "cpu":
+            return _inductor_cpu_refusal(site)
+        return _inductor_cuda_refusal(site, graph, replaced) if device == "cuda" else None
 
     def _backend_for(self, site: AttentionSite) -> str:
         q = example_value(site.q)
@@ -569,6 +578,7 @@ class _BuiltBlockMask:
     template: tuple
     how: str
     first: str  # the site it was built for
+    reused: ReusedComputation | None = None  # built before each call (None: inside the graph, or once)
 
     def serves(self, masks: list[Term], sizes: tuple[int | None, ...], device: torch.device) -> bool:
         """Same sizes and device, and masks that are the same programs of the same graph nodes."""
@@ -600,10 +610,21 @@ def _block_mask_nodes(graph: CapturedGraph, site: AttentionSite, sizes: tuple[in
         except NotBounded as why:
             build.fallback = f"per-block bounds cannot take {why}"
             example = build.block_mask(*values)
+    name = f"block_mask_{site.output.name}"
+    indices = [graph.dynamo_input_index(n) if n.op == "placeholder" else None for n in buffers]
+    if None not in indices:  # the data is what the caller passes: build before the call, reuse while unchanged
+        reads = [graph.example_inputs[i] for i in indices]
+        reused = ReusedComputation(build, indices, compile_with_inductor=graph.handoff == "inductor")
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            results = build(*reads)
+        reused.prime(reads, results)
+        nodes = graph.add_derived_inputs(name, reused, results)
+        return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how(True), site.where,
+                               reused)
     g = graph.gm.graph
     node = insert_call(g, "call_function", build, buffers)
     nodes = [insert_call(g, "call_function", operator.getitem, (node, i)) for i in range(len(node.meta["example_value"]))]
-    return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how, site.where)
+    return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how(False), site.where)
 
 
 def _inductor_cpu_refusal(site: AttentionSite) -> str | None:
@@ -621,17 +642,30 @@ def _inductor_cpu_refusal(site: AttentionSite) -> str | None:
     return None
 
 
-def _inductor_cuda_refusal(site: AttentionSite) -> str | None:
-    """Why Inductor's CUDA flex lowering cannot take this site, or None: a mask that reads data in a
-    graph without a backward, which crashed on the H200 (torch 2.11) with either kernel."""
+def _inductor_cuda_refusal(site: AttentionSite, graph: CapturedGraph, replaced: set[fx.Node]) -> str | None:
+    """Why Inductor's CUDA flex lowering cannot take this site, or None: a mask that reads data which
+    another op of a graph without a backward reads too. On the H200 (torch 2.11) that crashed with
+    either kernel: the lowering does not count the mask_mod's reads, so the data is freed after the
+    other op (pytorch#181800). Data the caller passes, read by nothing else once the attentions are
+    rewritten, is safe: its block mask is built before the call, as a hand-written model builds it."""
     if _has_backward(site) or all(t.is_static for t in site.masks):
         return None
-    return ("its mask reads data (the block mask is built from it on every call), and in a graph with no "
-            "backward Inductor's flex lowering does not keep that data alive for the kernel that reads it: "
-            "on the H200 with torch 2.11 the Triton kernel then hit 'CUDA error: an illegal memory access' "
-            "and the Flash one an UnboundLocalError (pytorch/pytorch#181800); left as written. In training "
-            "it is rewritten; for inference, build the BlockMask outside the compiled model and call "
-            "flex_attention by hand, or compile with handoff='eager'")
+    buffers = [n for t in site.masks for n in t.buffer_nodes]
+    computed = next((n for n in buffers if n.op != "placeholder" or graph.dynamo_input_index(n) is None), None)
+    also_read = next((u for n in buffers for u in n.users if u not in replaced and not isinstance(u.target, FlexCall)),
+                     None)
+    if computed is None and also_read is None:
+        return None
+    node = computed if computed is not None else also_read
+    where = f"node '{node.name}'" + (f" ({user_source(node)})" if user_source(node) else "")
+    why = (f"{where} computes it in the graph, so its block mask is built in the graph from it"
+           if computed is not None else f"the graph also reads it at {where}")
+    return (f"its mask reads data and {why}; in a graph with no backward Inductor's flex lowering does not "
+            "keep that data alive for the kernel that reads it: on the H200 with torch 2.11 the Triton kernel "
+            "then hit 'CUDA error: an illegal memory access' and the Flash one an UnboundLocalError "
+            "(pytorch/pytorch#181800); left as written. In training it is rewritten; for inference, pass the "
+            "data (the ids) as an input that only the mask reads, or build the BlockMask outside the compiled "
+            "model and call flex_attention by hand, or compile with handoff='eager'")
 
 
 def _shape_refusal(site: AttentionSite) -> str | None:
