@@ -13,9 +13,10 @@ What it changes, per graph (the model and its guards are untouched):
   per position;
 - a mask that depends on positions only gets its BlockMask built once, at compile time, for the
   graph's shapes (its tensors become constant inputs of the compiled graph); one that reads data
-  (document ids) gets it built inside the graph, from that data, on every call: from per-block
-  bounds of that data (`BlockMaskBuild`), or at every position where the bounds cannot go;
-  attentions with the same masks of the same tensors share one block mask.
+  (document ids) gets it built from that data (`BlockMaskBuild`: from per-block bounds of the
+  data, or at every position where the bounds cannot go): before the call and reused while the
+  data is unchanged where the data is a graph input (`xform.reused_inputs`), else inside the
+  graph on every call; attentions with the same masks of the same tensors share one block mask.
 
 Backend: "flash" (FlashAttention-4 through CuTeDSL) where it is importable, the GPU is SM90+,
 q/k/v are fp16/bf16 with a head dim of 8..256, and no tensor the mods read needs a gradient;
