@@ -354,13 +354,15 @@ def test_regression_in_place_ops_outside_the_attention_survive_the_rewrite():
 
 @pytest.mark.parametrize("pattern, refused_because", [
     (hand_document, None),
-    (hand_document_computed_ids, ("node 'ids' (test_attention.py:", " in hand_document_computed_ids: return "
-                                  "hand_document(q, k, v, {\"ids\": extra[\"starts\"].cumsum(-1)})) computes it in "
-                                  "the graph, so its block mask is built in the graph from it")),
-    (hand_document_ids_read_elsewhere, ("the graph also reads it at node 'getitem_4' (test_attention.py:",
+    (hand_document_computed_ids, ("its block mask is built in the graph from that data, which node 'ids' "
+                                  "(test_attention.py:", " in hand_document_computed_ids: return hand_document(q, k, "
+                                  "v, {\"ids\": extra[\"starts\"].cumsum(-1)})) computes;")),
+    (hand_document_ids_read_elsewhere, ("the graph also reads that data at node 'getitem_4' (test_attention.py:",
                                         " in hand_document_ids_read_elsewhere: return hand_document(q, k, v, extra) "
                                         "+ extra[\"ids\"][:, None, :, None])")),
-], ids=["ids-only-the-mask-reads", "ids-computed", "ids-read-elsewhere"])
+    (sdpa_dense_mask, ("its block mask is built in the graph from that data (only a document mask of ids you pass "
+                       "is built before the call);",)),
+], ids=["ids-only-the-mask-reads", "ids-computed", "ids-read-elsewhere", "dense-mask"])
 @pytest.mark.parametrize("requires_grad, training", [(False, False), (True, False), (True, True)])
 def test_a_data_mask_without_a_backward_is_left_under_inductor_on_cuda_where_other_ops_read_its_data(
         monkeypatch, pattern, refused_because, requires_grad, training):
@@ -386,7 +388,7 @@ def test_a_data_mask_without_a_backward_is_left_under_inductor_on_cuda_where_oth
         (skip,) = report.skips("flex-attention")
         assert all(part in skip.reason for part in refused_because), skip.reason
         assert "in a graph with no backward Inductor's flex lowering does not keep that data alive" in skip.reason
-        assert "illegal memory access" in skip.reason and "pass the data (the ids) as an input" in skip.reason
+        assert "illegal memory access" in skip.reason and "pass document ids as an input" in skip.reason
 
 
 def test_flash_that_does_not_import_is_named_with_its_error(monkeypatch):

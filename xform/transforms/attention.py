@@ -14,9 +14,9 @@ What it changes, per graph (the model and its guards are untouched):
 - a mask that depends on positions only gets its BlockMask built once, at compile time, for the
   graph's shapes (its tensors become constant inputs of the compiled graph); one that reads data
   (document ids) gets it built from that data (`BlockMaskBuild`: from per-block bounds of the
-  data, or at every position where the bounds cannot go): before the call and reused while the
-  data is unchanged where the data is a graph input (`xform.reused_inputs`), else inside the
-  graph on every call; attentions with the same masks of the same tensors share one block mask.
+  data, or at every position where the bounds cannot go): for a document mask of ids the caller
+  passes, before the call and reused while the ids are unchanged (`xform.reused_inputs`), else
+  inside the graph on every call; attentions with the same masks of the same tensors share one block mask.
 
 Backend: "flash" (FlashAttention-4 through CuTeDSL) where it is importable, the GPU is SM90+,
 q/k/v are fp16/bf16 with a head dim of 8..256, and no tensor the mods read needs a gradient;
@@ -612,8 +612,8 @@ def _block_mask_nodes(graph: CapturedGraph, site: AttentionSite, sizes: tuple[in
             build.fallback = f"per-block bounds cannot take {why}"
             example = build.block_mask(*values)
     name = f"block_mask_{site.output.name}"
-    indices = [graph.dynamo_input_index(n) if n.op == "placeholder" else None for n in buffers]
-    if None not in indices:  # the data is what the caller passes: build before the call, reuse while unchanged
+    if _built_before_the_call(site, graph):
+        indices = [graph.dynamo_input_index(n) for n in buffers]
         reads = [graph.example_inputs[i] for i in indices]
         reused = ReusedComputation(build, indices, compile_with_inductor=graph.handoff == "inductor")
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
@@ -626,6 +626,17 @@ def _block_mask_nodes(graph: CapturedGraph, site: AttentionSite, sizes: tuple[in
     node = insert_call(g, "call_function", build, buffers)
     nodes = [insert_call(g, "call_function", operator.getitem, (node, i)) for i in range(len(node.meta["example_value"]))]
     return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how(False), site.where)
+
+
+def _built_before_the_call(site: AttentionSite, graph: CapturedGraph) -> bool:
+    """Whether a data mask's block mask is built before the call (and reused while its data is
+    unchanged) rather than in the graph: for per-token ids (a document mask: the same ids are often
+    passed again, as for evaluation on fixed packing) that the caller passes. Other data masks (a
+    decode step's `positions <= pos`) change with every call, and a build inside the graph is
+    recorded with it by `cudagraphs`, where one before the call would be launched every step."""
+    buffers = [n for t in site.masks for n in t.buffer_nodes]
+    return (bool(buffers) and any(t.program is not None and t.program.reads_ids() for t in site.masks)
+            and all(n.op == "placeholder" and graph.dynamo_input_index(n) is not None for n in buffers))
 
 
 def _inductor_cpu_refusal(site: AttentionSite) -> str | None:
@@ -652,21 +663,29 @@ def _inductor_cuda_refusal(site: AttentionSite, graph: CapturedGraph, replaced: 
     if _has_backward(site) or all(t.is_static for t in site.masks):
         return None
     buffers = [n for t in site.masks for n in t.buffer_nodes]
-    computed = next((n for n in buffers if n.op != "placeholder" or graph.dynamo_input_index(n) is None), None)
+    before = _built_before_the_call(site, graph)
     also_read = next((u for n in buffers for u in n.users if u not in replaced and not isinstance(u.target, FlexCall)),
                      None)
-    if computed is None and also_read is None:
+    if before and also_read is None:
         return None
-    node = computed if computed is not None else also_read
-    where = f"node '{node.name}'" + (f" ({user_source(node)})" if user_source(node) else "")
-    why = (f"{where} computes it in the graph, so its block mask is built in the graph from it"
-           if computed is not None else f"the graph also reads it at {where}")
+    if before:
+        why = f"the graph also reads that data at {_node_and_line(also_read)}"
+    else:
+        computed = next((n for n in buffers if n.op != "placeholder"), None)
+        why = "its block mask is built in the graph from that data" + (
+            f", which {_node_and_line(computed)} computes" if computed is not None else
+            " (only a document mask of ids you pass is built before the call)")
     return (f"its mask reads data and {why}; in a graph with no backward Inductor's flex lowering does not "
             "keep that data alive for the kernel that reads it: on the H200 with torch 2.11 the Triton kernel "
             "then hit 'CUDA error: an illegal memory access' and the Flash one an UnboundLocalError "
-            "(pytorch/pytorch#181800); left as written. In training it is rewritten; for inference, pass the "
-            "data (the ids) as an input that only the mask reads, or build the BlockMask outside the compiled "
+            "(pytorch/pytorch#181800); left as written. In training it is rewritten; for inference, pass "
+            "document ids as an input that only the mask reads, or build the BlockMask outside the compiled "
             "model and call flex_attention by hand, or compile with handoff='eager'")
+
+
+def _node_and_line(node: fx.Node) -> str:
+    source = user_source(node)
+    return f"node '{node.name}'" + (f" ({source})" if source else "")
 
 
 def _shape_refusal(site: AttentionSite) -> str | None:
