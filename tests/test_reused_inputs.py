@@ -66,3 +66,19 @@ def test_the_recompute_compiled_by_inductor_gives_the_same_results():
     out = reused((None, x, y))
     torch.testing.assert_close(out[0], x * 2 + y)
     assert reused.computed == 2 and len(runs) == 1  # traced once (make_fx), then the compiled code runs
+
+
+def test_a_recompute_inductor_cannot_compile_runs_as_written_and_says_so(monkeypatch, caplog):
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no lowering")
+
+    monkeypatch.setattr(proxy_tensor, "make_fx", refuse)
+    reused, runs = make(compile_with_inductor=True)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with caplog.at_level("WARNING", logger="xform"):
+        out = reused((None, x, y))
+    torch.testing.assert_close(out[0], x * 2 + y)
+    assert "could not be compiled by Inductor (RuntimeError: no lowering); it runs as written" in caplog.text
+    assert not reused.compile_with_inductor and len(runs) == 1

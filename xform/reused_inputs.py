@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from xform.log import logger
+
 Stamp = tuple[Any, int, int]  # (weak reference, version, data pointer) of one tensor read
 
 
@@ -76,6 +78,13 @@ class ReusedComputation:
             from torch._inductor.compile_fx import compile_fx
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            traced = make_fx(self.compute, tracing_mode="fake")(*reads)
-            self._compiled = compile_fx(traced, list(reads))
+            try:
+                traced = make_fx(self.compute, tracing_mode="fake")(*reads)
+                self._compiled = compile_fx(traced, list(reads))
+            except Exception as error:  # the computation as written is still right, only slower
+                logger.warning("xform: %s could not be compiled by Inductor (%s: %s); it runs as written",
+                               getattr(self.compute, "__name__", "a computation before the graph"),
+                               type(error).__name__, error)
+                self.compile_with_inductor = False
+                return self.compute(*reads)
         return self._compiled(*reads)
