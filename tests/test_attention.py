@@ -296,6 +296,32 @@ def test_three_dimensional_attention_is_left():
     assert skip.reason.startswith("q/k/v have shapes [(4, 64, 16)")
 
 
+@pytest.mark.parametrize("pattern, vary, left_because", [
+    (sdpa_causal, "length", "its sequence length (s"),
+    (sdpa_causal, "batch", None),  # the causal mask does not read the batch: one BlockMask serves every batch
+    (hand_document, "batch", "its batch (s"),  # the ids are read per batch
+], ids=["causal-length", "causal-batch", "document-batch"])
+def test_dynamic_sizes_a_block_mask_needs_are_left_with_the_reason(pattern, vary, left_because):
+    model = AsModule(pattern)
+    step = torch.compile(model, backend=xform.Backend(["flex-attention"], handoff="eager"))
+    for extra_size in (0, 8):
+        batch, length = (B + extra_size, S) if vary == "batch" else (B, S + extra_size)
+        q, k, v = (torch.randn(batch, H, length, D) for _ in range(3))
+        extra = {"ids": torch.randint(0, 3, (batch, length)).sort(-1).values}
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 0 if vary == "batch" else 2)
+        torch._dynamo.mark_dynamic(extra["ids"], 0 if vary == "batch" else 1)
+        torch.testing.assert_close(step(q, k, v, extra), pattern(q, k, v, extra), atol=2e-5, rtol=2e-5)
+    report = xform.report(model)
+    if left_because is None:
+        assert len(report.changes("flex-attention")) == 1 and report.skips("flex-attention") == []
+        return
+    (skip,) = report.skips("flex-attention")
+    assert skip.reason.startswith(left_because), skip.reason
+    assert "dynamic, and a BlockMask is built for fixed sizes; left as written. Compile with dynamic=False (a " \
+           "graph per size), or mark those dims static" in skip.reason
+
+
 def test_cpu_training_under_inductor_is_left_with_the_reason():
     q, k, v, extra = inputs(requires_grad=True)
     out = xform.compile(sdpa_causal, "flex-attention")(q, k, v, extra)

@@ -13,14 +13,16 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-DerivedInputs = Callable[[tuple], tuple]  # a call's inputs (as Dynamo passes them) -> the tensors xform adds
-
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from xform.dynamo_frame import DynamoFrame, ModuleAttribute, module_attribute, placeholder_source, update_placeholder
 from xform.fx_rewrite import fake_like
 from xform.guards import GuardChange, GuardModel, TensorExpectation
+
+
+DerivedInputs = Callable[[tuple], tuple]  # a call's inputs (as Dynamo passes them) -> the tensors xform adds
 
 
 def _restore_grapharg(grapharg: Any, saved: tuple[Any, Any, Any]) -> None:
@@ -210,7 +212,8 @@ class CapturedGraph:
         g = self.gm.graph
         with g.inserting_after(self.placeholders[-1] if self.placeholders else None):
             node = g.placeholder(f"xform_{name}")
-        traced = next((p.meta["example_value"] for p in self.placeholders if "example_value" in p.meta), None)
+        traced = next((p.meta["example_value"] for p in self.placeholders  # not a size (SymInt) input
+                       if isinstance(p.meta.get("example_value"), FakeTensor)), None)
         node.meta["example_value"] = fake_like(traced, tensor) if traced is not None else tensor
         self.placeholders.append(node)
         self.example_inputs.append(tensor)

@@ -37,15 +37,15 @@ def _stamp(tensor: torch.Tensor) -> Stamp | None:
 
 
 def _unchanged(stamp: Stamp | None, tensor: torch.Tensor) -> bool:
-    return (stamp is not None and stamp[0]() is tensor and not tensor.is_inference()
-            and stamp[1] == tensor._version and stamp[2] == tensor.data_ptr())
+    return (stamp is not None and stamp[0]() is tensor and stamp[1] == tensor._version
+            and stamp[2] == tensor.data_ptr())
 
 
 class ReusedComputation:
     """`compute(*reads)` of the graph inputs at `indices`, redone only when one of them changed.
 
     Called with a call's inputs as Dynamo passes them; returns the tuple of tensors `compute`
-    gives. `computed` counts how many times it really ran (the report and tests read it).
+    gives. `computed` counts how many times it really ran.
     """
 
     def __init__(self, compute: Callable[..., tuple[torch.Tensor, ...]], indices: Sequence[int], *,

@@ -16,7 +16,8 @@ What it changes, per graph (the model and its guards are untouched):
   (document ids) gets it built from that data (`BlockMaskBuild`: from per-block bounds of the
   data, or at every position where the bounds cannot go): for a document mask of ids the caller
   passes, before the call and reused while the ids are unchanged (`xform.reused_inputs`), else
-  inside the graph on every call; attentions with the same masks of the same tensors share one block mask.
+  inside the graph on every call; attentions with the same masks of the same tensors share one
+  block mask.
 
 Backend: "flash" (FlashAttention-4 through CuTeDSL) where it is importable, the GPU is SM90+,
 q/k/v are fp16/bf16 with a head dim of 8..256, and no tensor the mods read needs a gradient;
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from xform.capture_safety import user_source
 from xform.captured import CapturedGraph
@@ -579,7 +581,6 @@ class _BuiltBlockMask:
     template: tuple
     how: str
     first: str  # the site it was built for
-    reused: ReusedComputation | None = None  # built before each call (None: inside the graph, or once)
 
     def serves(self, masks: list[Term], sizes: tuple[int | None, ...], device: torch.device) -> bool:
         """Same sizes and device, and masks that are the same programs of the same graph nodes."""
@@ -620,8 +621,7 @@ def _block_mask_nodes(graph: CapturedGraph, site: AttentionSite, sizes: tuple[in
             results = build(*reads)
         reused.prime(reads, results)
         nodes = graph.add_derived_inputs(name, reused, results)
-        return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how(True), site.where,
-                               reused)
+        return _BuiltBlockMask(site.masks, sizes, device, nodes, _template(example), build.how(True), site.where)
     g = graph.gm.graph
     node = insert_call(g, "call_function", build, buffers)
     nodes = [insert_call(g, "call_function", operator.getitem, (node, i)) for i in range(len(node.meta["example_value"]))]
@@ -692,6 +692,16 @@ def _shape_refusal(site: AttentionSite) -> str | None:
     shapes = [tuple(example_value(n).shape) for n in (site.q, site.k, site.v)]
     if any(len(s) != 4 for s in shapes):
         return f"q/k/v have shapes {shapes}; flex_attention takes [batch, heads, seq, head_dim]"
+    used = set().union(*(t.positions_used for t in site.masks + site.biases))
+    sizes = {"sequence length": (shapes[0][2], shapes[1][2]), "batch": (shapes[0][0],) if "b" in used else (),
+             "heads": (shapes[0][1],) if "h" in used else ()}
+    dynamic = {what: sorted({str(s) for size in values for s in free_symbols(size)}) for what, values in sizes.items()}
+    dynamic = {what: symbols for what, symbols in dynamic.items() if symbols}
+    if dynamic:
+        named = " and ".join(f"{what} ({', '.join(symbols)})" for what, symbols in dynamic.items())
+        return (f"its {named} {'is' if len(dynamic) == 1 else 'are'} dynamic, and a BlockMask is built for fixed "
+                f"sizes; left as written. Compile with dynamic=False (a graph per size), or mark those dims "
+                f"static (torch._dynamo.mark_static(tensor, dim))")
     return None
 
 
