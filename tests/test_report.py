@@ -81,6 +81,49 @@ def test_skips_say_why():
     assert model.head.weight.dtype == torch.float32 and model.body.weight.dtype == torch.bfloat16
 
 
+class TiedLMWithABreak(TiedLM):
+    """TiedLM with a graph break after the embedding: the head's graph reads the shared weight under
+    the head's name only (as OPT's head after its layerdrop break)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        torch._dynamo.graph_break()
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("spec", ["cast:bf16", "quantize:nvfp4-weight-only"])
+def test_a_tied_head_in_a_graph_without_its_embedding_is_still_tied(spec):
+    model = TiedLMWithABreak(vocab=64, dim=32)
+    with torch.no_grad():
+        xform.compile(model, spec, handoff="eager")(torch.randint(0, 64, (2, 5)))
+
+    assert model.head.weight is model.embed.weight and type(model.head.weight) is nn.Parameter
+    skips = {s.target: s.reason for s in xform.report(model).skips(spec.split(":")[0])}
+    assert skips["head"] == ("its weight is embed.weight, shared with embed (Embedding, tied weights); changing it "
+                             "would change that module too. Untie the weights to change it")
+
+
+class Router(nn.Module):
+    """A module that is not an nn.Linear and calls F.linear with its own weight (a MoE router)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight).softmax(-1)
+
+
+def test_a_module_calling_linear_with_its_own_weight_is_named_as_not_a_linear():
+    model = nn.Sequential(nn.Linear(16, 16), Router())
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+
+    (skip,) = xform.report(model).skips("cast")
+    assert skip.target == "1"
+    assert skip.reason == ("it is a Router, not an nn.Linear: it calls F.linear with its own weight, and only "
+                           "nn.Linear layers are changed; left as written")
+
+
 def test_graph_breaks_give_one_record_per_graph():
     model = GraphBreakMLP()
     xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))

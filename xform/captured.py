@@ -78,6 +78,7 @@ class CapturedGraph:
         # function of the call's own inputs giving a tuple of tensors (`add_derived_inputs`)
         self.added_inputs: list[torch.Tensor | DerivedInputs] = []
         self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
+        self._parameter_names: dict[int, list[str]] | None = None  # id(parameter) -> its names (`names_of`)
         self.parameters: list[GraphParameter] = []
         self.module_state: set[fx.Node] = set()  # placeholders of the model's parameters and buffers
         expectations = []
@@ -123,6 +124,18 @@ class CapturedGraph:
             if isinstance(root, nn.Module) and all(root is not r for r in roots):
                 roots.append(root)
         return roots
+
+    def names_of(self, tensor: torch.Tensor) -> list[str]:
+        """Every name the root modules reach `tensor` by as a parameter (more than one: tied weights,
+        as a head sharing its embedding's weight, even when the graph reads it under one name only)."""
+        if self._parameter_names is None:
+            self._parameter_names = {}
+            for root in self.root_modules():
+                for name, value in root.named_parameters(remove_duplicate=False):
+                    names = self._parameter_names.setdefault(id(value), [])
+                    if name not in names:
+                        names.append(name)
+        return self._parameter_names.get(id(tensor), [])
 
     def parameters_held_by_graph_module(self) -> list[str]:
         """Parameters the graph module owns (read with get_attr/call_module) instead of taking as inputs."""

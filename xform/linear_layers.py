@@ -37,22 +37,40 @@ def linear_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module], bool
         if isinstance(param.owner, nn.Linear) and param.name in ("weight", "bias"):
             layer = layers.setdefault(param.module_path, LinearLayer(param.module_path, param.owner, []))
             layer.params.append(param)
-    return [layer for layer in layers.values() if selects(layer.path, layer.module)]
+    return [layer for layer in layers.values()
+            if selects(layer.path, layer.module) and not any(_tied_with(graph, p) for p in layer.params)]
+
+
+def _tied_with(graph: CapturedGraph, param: GraphParameter) -> list[str]:
+    """The other names of `param` in the model (tied weights), or []."""
+    return [name for name in graph.names_of(param.tensor) if name != param.fqn]
 
 
 def borrowed_weights(graph: CapturedGraph, selects: Callable[[str, nn.Module | None], bool]) -> Iterator[tuple[str, str]]:
-    """(layer path, reason) for each selected Linear whose weight belongs to another module (tied
-    weights, as GPT-2's head and embedding): changing it would change that module too."""
+    """(layer path, reason) for each selected linear call that is left as written because of whose
+    weight it reads: a weight the model also holds under another name (tied weights, as GPT-2's
+    head and embedding), which changing would change there too; or the weight of a module that is
+    not an nn.Linear and calls F.linear itself (a MoE router), which only nn.Linear swaps cover."""
     roots = graph.root_modules()
+    seen: set[str] = set()
     for node in graph.gm.graph.nodes:
         param = graph.parameter_for(linear_operands(node)[1]) if is_linear(node) else None
-        if param is None or isinstance(param.owner, nn.Linear):
+        if param is None:
             continue
         path = calling_module_path(node) or node.name
         layer = roots[0].get_submodule(path) if roots and path != node.name else None
-        if selects(path, layer):
-            yield path, (f"its weight is {param.fqn}, shared with {param.module_path} ({type(param.owner).__name__}, "
+        tied = _tied_with(graph, param)
+        if path in seen or not selects(path, layer) or not (tied or not isinstance(param.owner, nn.Linear)):
+            continue
+        seen.add(path)
+        if tied:
+            other = next(name for name in [param.fqn, *tied] if name != f"{path}.weight")
+            owner = other.rpartition(".")[0]
+            yield path, (f"its weight is {other}, shared with {owner} ({type(roots[0].get_submodule(owner)).__name__}, "
                          f"tied weights); changing it would change that module too. Untie the weights to change it")
+        else:
+            yield path, (f"it is a {type(param.owner).__name__}, not an nn.Linear: it calls F.linear with its own "
+                         f"weight, and only nn.Linear layers are changed; left as written")
 
 
 _MATMULS = (torch.addmm, torch.mm, torch.matmul, operator.matmul)
