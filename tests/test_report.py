@@ -124,6 +124,39 @@ def test_a_module_calling_linear_with_its_own_weight_is_named_as_not_a_linear():
                            "nn.Linear layers are changed; left as written")
 
 
+class BreakInside(nn.Module):
+    """A submodule whose forward breaks the graph: Dynamo compiles its frames with `self` the submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.before, self.inner = nn.Linear(8, 8), BreakInside()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.relu(self.before(x)))
+
+
+def test_the_report_of_a_model_holds_the_graphs_of_its_submodules_frames():
+    model = Outer()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 8))
+
+    layers = [c.target for c in xform.report(model).changes("cast") if c.kind == "layer"]
+    # the inner frames' records name layers from the submodule (their `self`)
+    assert layers == ["before", "first", "second"]
+    assert [c.target for c in xform.report(model.inner).changes("cast") if c.kind == "layer"] == ["first", "second"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
 def test_graph_breaks_give_one_record_per_graph():
     model = GraphBreakMLP()
     xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))

@@ -8,6 +8,7 @@ compiled model or function into a `Report`: `str()` is a table for people, `.to_
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 import types
 import weakref
@@ -189,16 +190,22 @@ class _Registry:
     """Graph records by what was compiled: a module (weakly held) or a function's code object."""
 
     def __init__(self) -> None:
-        self._by_module: weakref.WeakKeyDictionary[nn.Module, list[GraphRecord]] = weakref.WeakKeyDictionary()
-        self._by_code: dict[types.CodeType, list[GraphRecord]] = {}
+        self._by_module: weakref.WeakKeyDictionary[nn.Module, list[tuple[int, GraphRecord]]] = \
+            weakref.WeakKeyDictionary()
+        self._by_code: dict[types.CodeType, list[tuple[int, GraphRecord]]] = {}
+        self._added = itertools.count()  # the order records came in, across modules
 
     def add(self, root: nn.Module | types.CodeType, record: GraphRecord) -> None:
         table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
-        table.setdefault(root, []).append(record)
+        table.setdefault(root, []).append((next(self._added), record))
 
-    def get(self, root: nn.Module | types.CodeType) -> list[GraphRecord]:
-        table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
-        return list(table.get(root, []))
+    def get(self, *roots: nn.Module | types.CodeType) -> list[GraphRecord]:
+        """The records filed under any of `roots`, each once, in the order they were compiled."""
+        found: dict[int, tuple[int, GraphRecord]] = {}
+        for root in roots:
+            table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
+            found.update((id(record), (order, record)) for order, record in table.get(root, []))
+        return [record for _, record in sorted(found.values(), key=lambda item: item[0])]
 
 
 records = _Registry()
@@ -212,8 +219,8 @@ def report(compiled: Callable[..., Any] | nn.Module) -> Report:
     call, since Dynamo compiles lazily.
     """
     target: Any = getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
-    if isinstance(target, nn.Module):
-        return Report(records.get(target))
+    if isinstance(target, nn.Module):  # with its submodules': a graph break leaves frames whose `self` is one
+        return Report(records.get(*target.modules()))
     code = getattr(target, "__code__", None)
     if code is None:
         raise TypeError(
