@@ -322,6 +322,42 @@ def test_dynamic_sizes_a_block_mask_needs_are_left_with_the_reason(pattern, vary
            "graph per size), or mark those dims static" in skip.reason
 
 
+def hand_finite_padding(q, k, v, extra):
+    """Causal + padding, masked with a finite fill, as Hugging Face's eager attention writes it."""
+    qi, ki = _positions()
+    allowed = (ki <= qi) & extra["keep"][:, None, None, :]
+    scores = q @ k.transpose(-2, -1) * D ** -0.5 + torch.where(allowed, 0.0, torch.finfo(q.dtype).min)
+    return scores.softmax(-1) @ v
+
+
+def hand_finite_strictly_causal(q, k, v, extra):
+    """A finite fill whose first row is masked everywhere (each query attends only to earlier keys)."""
+    qi, ki = _positions()
+    scores = (q @ k.transpose(-2, -1)).masked_fill(ki >= qi, -1e9)
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("pattern, why", [
+    (hand_finite_padding, "it reads data (node 'l_args_3_keep_' (test_attention.py:"),
+    (hand_finite_strictly_causal, "and its row 0 is masked everywhere"),
+], ids=["padding", "empty-row"])
+def test_a_finite_fill_that_can_mask_a_whole_row_is_left_with_the_reason(pattern, why):
+    q, k, v, extra = inputs(requires_grad=True)
+    extra["keep"] = torch.ones(B, S, dtype=torch.bool)
+    extra["keep"][1, :5] = False  # left padding: rows 0-4 of sequence 1 are masked everywhere
+    model = AsModule(pattern)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    expected = pattern(q, k, v, extra)
+    torch.testing.assert_close(out, expected)  # as written: the masked rows attend evenly, as in the model
+    (skip,) = xform.report(model).skips("flex-attention")
+    fill = "-3.403e+38" if pattern is hand_finite_padding else "-1e+09"
+    assert skip.reason.startswith(f"its mask fills masked scores with {fill}, not -inf, so on a row masked at every "
+                                  f"position the model as written attends evenly to all of them, where "
+                                  f"flex_attention attends to none"), skip.reason
+    assert why in skip.reason and skip.reason.endswith("Fill with float('-inf') (for a Hugging Face model: "
+                                                       "attn_implementation='sdpa', which xform rewrites exactly)")
+
+
 def test_cpu_training_under_inductor_is_left_with_the_reason():
     q, k, v, extra = inputs(requires_grad=True)
     out = xform.compile(sdpa_causal, "flex-attention")(q, k, v, extra)

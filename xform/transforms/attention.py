@@ -70,6 +70,7 @@ class Term:
     program: IndexProgram | None
     weight: float = 1.0
     negate: bool = False
+    fill: float = float("-inf")  # a mask's value where it masks: finite (-1e9, finfo.min) as some models write it
 
     @property
     def buffer_nodes(self) -> list[fx.Node]:
@@ -148,23 +149,25 @@ def _add_mask_or_bias(site: AttentionSite, node: fx.Node, weight: float) -> None
         return
     split = _masking_fill(_through_casts_up(node))  # `bias.masked_fill(cond, -inf).to(q.dtype)` as people write it
     if split is not None:
-        kept, cond, attend_when = split
-        site.masks.append(Term(_program(cond), negate=not attend_when))
+        kept, cond, attend_when, fill = split
+        site.masks.append(Term(_program(cond), negate=not attend_when, fill=fill))
+        if not isinstance(kept, fx.Node):  # `where(cond, 0.0, -inf)`: a number added where the mask holds
+            return  # is added to every score a row keeps, which the softmax does not see
         node = kept
     site.biases.append(Term(_program(node), weight))
 
 
-def _masking_fill(node: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
-    """(value, condition, attend-when-condition) for `value.masked_fill(cond, -inf)` or
-    `where(cond, value, -inf)`; None for anything else."""
+def _masking_fill(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, float] | None:
+    """(value, condition, attend-when-condition, fill) for `value.masked_fill(cond, -inf)` or
+    `where(cond, value, -inf)` (or a fill at or below `MASKED`); None for anything else."""
     if _is_call(node, (torch.masked_fill,), ("masked_fill",)):
         value, cond, fill = node.args[0], node.args[1], node.args[2]
         if isinstance(fill, (int, float)) and fill <= MASKED and isinstance(cond, fx.Node):
-            return value, cond, False
+            return value, cond, False, float(fill)
     if _is_call(node, (torch.where,)) and len(node.args) == 3:
         cond, value, fill = node.args
         if isinstance(fill, (int, float)) and fill <= MASKED and isinstance(cond, fx.Node):
-            return value, cond, True
+            return value, cond, True, float(fill)
     return None
 
 
@@ -243,8 +246,8 @@ def _fold_steps(site: AttentionSite, steps: list[tuple[str, Any]], scale: float)
         elif kind == "bias":
             pending.append((value, 1.0))
         else:
-            kept, cond, attend_when = value
-            site.masks.append(Term(_program(cond), negate=not attend_when))
+            kept, cond, attend_when, fill = value
+            site.masks.append(Term(_program(cond), negate=not attend_when, fill=fill))
     site.scale = scale
     for bias, weight in pending:
         _add_mask_or_bias(site, bias, weight)
@@ -503,11 +506,11 @@ class FlexAttention(Transform):
             if site is not None:
                 sites.append(site)
         built: list[_BuiltBlockMask] = []  # this graph's block masks, shared by the sites whose masks match
-        taken = [s for s in sites if s.refusal is None and _shape_refusal(s) is None]
+        taken = [s for s in sites if _refusal(s) is None]
         replaced = {s.output for s in taken}
         replaced |= unused_after([n for s in taken for n in s.output.all_input_nodes], gone=replaced)
         for site in sites:
-            reason = site.refusal or _shape_refusal(site) or self._device_refusal(site, graph, replaced)
+            reason = _refusal(site) or self._device_refusal(site, graph, replaced)
             if reason is not None:
                 record.skipped(site.where, reason)
                 continue
@@ -686,6 +689,37 @@ def _inductor_cuda_refusal(site: AttentionSite, graph: CapturedGraph, replaced: 
 def _node_and_line(node: fx.Node) -> str:
     source = user_source(node)
     return f"node '{node.name}'" + (f" ({source})" if source else "")
+
+
+def _refusal(site: AttentionSite) -> str | None:
+    """Why the site is left as written whatever the device, or None."""
+    return site.refusal or _shape_refusal(site) or _empty_row_refusal(site)
+
+
+def _empty_row_refusal(site: AttentionSite) -> str | None:
+    """Why a mask written with a finite fill (-1e9, finfo.min) cannot become flex's mask: a query row
+    masked at every position. There the model as written attends evenly to every position (each
+    score is the same fill), and flex_attention to none (its output is 0). Rows each keep a position
+    when the mask depends on positions only and holds somewhere on each row, checked here."""
+    finite = next((t.fill for t in site.masks if t.fill != float("-inf")), None)
+    if finite is None:
+        return None
+    why = (f"its mask fills masked scores with {finite:.4g}, not -inf, so on a row masked at every position the "
+           f"model as written attends evenly to all of them, where flex_attention attends to none")
+    fix = ("Fill with float('-inf') (for a Hugging Face model: attn_implementation='sdpa', which xform rewrites "
+           "exactly)")
+    data = next((n for t in site.masks for n in t.buffer_nodes), None)
+    if data is not None:
+        return (f"{why}; it reads data ({_node_and_line(data)}), so a row may be (a left-padded one is); left as "
+                f"written to keep your model's results. {fix}")
+    q_len, kv_len = example_value(site.q).shape[2], example_value(site.k).shape[2]
+    kv = torch.arange(kv_len)[None, :]
+    for start in range(0, q_len, 256):  # positions only (no data), so the same for every batch and head
+        q = torch.arange(start, min(start + 256, q_len))[:, None]
+        empty = ~_all_allowed(site.masks, 0, 0, q, kv).expand(len(q), kv_len).any(-1)
+        if bool(empty.any()):
+            return f"{why}, and its row {start + int(empty.nonzero()[0])} is masked everywhere; left as written. {fix}"
+    return None
 
 
 def _shape_refusal(site: AttentionSite) -> str | None:
