@@ -74,6 +74,13 @@ def hand_document(q, k, v, extra):
     return scores.masked_fill(~(same & (qi >= ki)), float("-inf")).softmax(-1) @ v
 
 
+def hand_in_place_scale(q, k, v, extra):
+    scores = q @ k.transpose(-2, -1)
+    scores /= math.sqrt(D)  # in place, as Falcon writes it
+    qi, ki = _positions()
+    return scores.masked_fill(ki > qi, float("-inf")).softmax(-1) @ v
+
+
 def hand_alibi(q, k, v, extra):
     qi, ki = _positions()
     scores = q @ k.transpose(-2, -1) + extra["slopes"][:, None, None] * (ki - qi)
@@ -101,6 +108,7 @@ PATTERNS = {
     hand_causal_tril: "hand-written -> flex_attention (causal",
     hand_prefix_lm_where: "hand-written -> flex_attention (prefix-LM 8",
     hand_document: "hand-written -> flex_attention (document (per-token ids)",
+    hand_in_place_scale: "hand-written -> flex_attention (causal",
     hand_alibi: "hand-written -> flex_attention (causal + ALiBi-style per-head bias",
     hand_hf_eager: "hand-written -> flex_attention (causal + additive bias",
 }

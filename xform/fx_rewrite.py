@@ -63,6 +63,18 @@ def _pure(node: fx.Node) -> bool:
     return not (node.op == "call_function" and (name.startswith("_set_") or "grad_enabled" in name))
 
 
+_PRODUCTS = {operator.matmul, torch.matmul, torch.bmm, torch.mm, torch.baddbmm}  # a new tensor, no view
+_IN_PLACE_SCALES = {operator.itruediv, operator.imul, "div_", "mul_"}
+
+
+def _scales_a_dead_product(node: fx.Node, dead: set[fx.Node]) -> bool:
+    """Whether `node` scales in place (`scores /= d`) the result of a matmul that nothing else reads:
+    then it changes nothing anyone sees, and goes with that result."""
+    written = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
+    return (node.target in _IN_PLACE_SCALES and isinstance(written, fx.Node) and written.op == "call_function"
+            and written.target in _PRODUCTS and all(u is node or u in dead for u in written.users))
+
+
 def unused_after(starts: list[Any], gone: set[fx.Node] | frozenset = frozenset()) -> set[fx.Node]:
     """The nodes, walking up from `starts`, that nothing would use once `gone` were erased: each a
     pure call (see `_pure`) whose users are all in `gone` or found unused themselves."""
@@ -70,7 +82,9 @@ def unused_after(starts: list[Any], gone: set[fx.Node] | frozenset = frozenset()
     stack = [n for n in starts if isinstance(n, fx.Node)]
     while stack:
         node = stack.pop()
-        if node in dead or not _pure(node) or any(u not in dead and u not in gone for u in node.users):
+        if node in dead or any(u not in dead and u not in gone for u in node.users):
+            continue
+        if not (_pure(node) or _scales_a_dead_product(node, dead | set(gone))):
             continue
         dead.add(node)
         stack.extend(node.all_input_nodes)  # a node passed over while a user was alive comes back here

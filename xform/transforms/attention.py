@@ -179,6 +179,8 @@ def _program(node: fx.Node) -> IndexProgram:
 
 
 _MATMUL = (operator.matmul, torch.matmul)
+_MULS = (operator.mul, operator.imul, torch.mul)  # in place too: `scores *= scale` on QK^T, which nothing else reads
+_DIVS = (operator.truediv, operator.itruediv, torch.div)
 _SOFTMAX = (F.softmax, torch.softmax)
 _CASTS = ("to", "float", "type", "type_as", "half", "bfloat16")
 
@@ -208,10 +210,10 @@ def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
         if split is not None:
             steps.append(("mask", split))
             node = _through_casts_up(split[0])
-        elif _is_call(node, (operator.mul, torch.mul), ("mul",)) and _scalar_operand(node) is not None:
+        elif _is_call(node, _MULS, ("mul", "mul_")) and _scalar_operand(node) is not None:
             steps.append(("scale", _scalar_operand(node)[0]))
             node = _through_casts_up(_scalar_operand(node)[1])
-        elif _is_call(node, (operator.truediv, torch.div), ("div",)) and _is_number(node.args[1]):
+        elif _is_call(node, _DIVS, ("div", "div_")) and _is_number(node.args[1]):
             steps.append(("scale", 1.0 / node.args[1]))
             node = _through_casts_up(node.args[0])
         elif _is_call(node, (operator.add, torch.add), ("add",)) and all(isinstance(a, fx.Node) for a in node.args[:2]):
