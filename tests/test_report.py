@@ -124,6 +124,27 @@ def test_a_module_calling_linear_with_its_own_weight_is_named_as_not_a_linear():
                            "nn.Linear layers are changed; left as written")
 
 
+class OwnForwardLinear(nn.Linear):
+    """An nn.Linear subclass computing its product itself, as Falcon's FalconLinear does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+@pytest.mark.parametrize("spec", ["cast:bf16", "quantize:float8-rowwise"])
+def test_a_linear_subclass_with_a_forward_of_its_own_is_named_as_such(spec):
+    model = nn.Sequential(nn.Linear(32, 32), OwnForwardLinear(32, 32))
+    xform.compile(model, spec, handoff="eager")(torch.randn(4, 32))
+
+    transform = spec.split(":")[0]
+    assert [c.target for c in xform.report(model).changes(transform) if c.kind == "layer"] == ["0"]
+    (skip,) = xform.report(model).skips(transform)
+    assert (skip.target, skip.reason) == ("1", "it is a OwnForwardLinear, a subclass of nn.Linear with a forward of its "
+                                               "own, and only nn.Linear's own forward (F.linear) is changed; left as "
+                                               "written")
+    assert type(model[1]) is OwnForwardLinear and type(model[1].weight) is nn.Parameter
+
+
 class BreakInside(nn.Module):
     """A submodule whose forward breaks the graph: Dynamo compiles its frames with `self` the submodule."""
 

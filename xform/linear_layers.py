@@ -136,6 +136,15 @@ def non_linear_reader(node: fx.Node, slot: int) -> fx.Node | None:
     return None
 
 
+def own_forward_refusal(layer: LinearLayer) -> str | None:
+    """Why a Linear subclass with a forward of its own is left as written (Falcon's FalconLinear
+    computes `x @ weight.T + bias` itself), or None: only F.linear calls are changed."""
+    if type(layer.module).forward is nn.Linear.forward:
+        return None
+    return (f"it is a {type(layer.module).__name__}, a subclass of nn.Linear with a forward of its own, and only "
+            f"nn.Linear's own forward (F.linear) is changed; left as written")
+
+
 def other_reader_refusal(param: GraphParameter) -> str | None:
     """Why `param` must not change: some op other than its layer's linear call reads it."""
     other = non_linear_reader(param.node, slot=1 if param.name == "weight" else 2)

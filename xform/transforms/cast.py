@@ -36,6 +36,7 @@ from xform.linear_layers import (
     linear_layers,
     linear_operands,
     other_reader_refusal,
+    own_forward_refusal,
     unchanged_layers,
 )
 from xform.registry import register_transform
@@ -117,7 +118,7 @@ class Cast(Transform):
             record.skipped(path, reason)
 
     def _cast_layer(self, graph: CapturedGraph, layer: LinearLayer, record: TransformRecord) -> None:
-        reason = next(filter(None, (self._refusal(p) for p in layer.params)), None)
+        reason = own_forward_refusal(layer) or next(filter(None, (self._refusal(p) for p in layer.params)), None)
         if reason is not None:
             record.skipped(layer.path, reason)
             return

@@ -39,6 +39,7 @@ from xform.linear_layers import (
     linear_layers,
     linear_operands,
     other_reader_refusal,
+    own_forward_refusal,
     tensor_bytes,
     unchanged_layers,
 )
@@ -319,13 +320,16 @@ class Quantize(Transform):
             record.skipped(path, reason)
 
     def _already_quantized(self, layer: LinearLayer, record: TransformRecord) -> bool:
-        if type(layer.module) is nn.Linear and type(layer.weight.tensor) is nn.Parameter:
-            return False
+        swapped = type(layer.module).__module__.startswith(("torchao.", "xform."))  # by torchao or by this transform
+        if type(layer.weight.tensor) is nn.Parameter and (type(layer.module) is nn.Linear or not swapped):
+            return False  # a Linear subclass of the model's own is refused with its reason
         record.note(f"{layer.path} is a {type(layer.module).__name__} with a {type(layer.weight.tensor).__name__} "
                     f"weight, not a plain Linear (quantized by an earlier compile, or changed by hand): left as it is")
         return True
 
     def _refusal(self, recipe: Recipe, layer: LinearLayer) -> str | None:
+        if (own_forward := own_forward_refusal(layer)) is not None:
+            return own_forward
         out_features, in_features = layer.module.out_features, layer.module.in_features
         if in_features % recipe.multiple_of or out_features % recipe.multiple_of:
             return (f"{recipe.name} needs in_features and out_features that are multiples of {recipe.multiple_of}; "
