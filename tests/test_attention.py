@@ -294,6 +294,20 @@ def test_an_unknown_op_before_the_softmax_is_named():
     torch.testing.assert_close(out, odd(q, k, v))
 
 
+def test_weights_reshaped_before_the_product_with_v_are_named():
+    def folded_heads(q, k, v):  # as Bloom and Falcon's ALiBi path write it
+        probs = (q @ k.transpose(-2, -1) * D ** -0.5).softmax(-1)
+        return torch.bmm(probs.view(B * H, S, S), v.reshape(B * H, S, D)).view(B, H, S, D)
+
+    q, k, v, _ = inputs(requires_grad=False)
+    torch.testing.assert_close(xform.compile(folded_heads, "flex-attention", handoff="eager")(q, k, v),
+                               folded_heads(q, k, v))
+    (skip,) = xform.report(folded_heads).skips("flex-attention")
+    assert skip.reason == ("its attention weights reach the product with v through node 'view' (view); only "
+                           "`softmax(scores) @ v` on [batch, heads, seq, seq] weights (casts or dropout between them) "
+                           "is rewritten. Keep the weights 4-D up to the product with v to have it rewritten")
+
+
 def test_three_dimensional_attention_is_left():
     def flat(q, k, v):
         return F.scaled_dot_product_attention(q, k, v)

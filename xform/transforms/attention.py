@@ -197,6 +197,13 @@ def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
             return AttentionSite(after, "hand-written", None, None, None,
                                  refusal=f"dropout p={p} on the attention weights: flex_attention has no dropout")
         probabilities, after = after, _single_user_through_casts(after)
+    if after is not None and not _is_call(after, _MATMUL, ("matmul",)):
+        reshaped = _matmul_after_reshapes(after)
+        if reshaped is not None:  # `probs.view(B * H, S, S) @ v`: attention all the same, not in a form taken
+            return AttentionSite(reshaped, "hand-written", None, None, None, refusal=(
+                f"its attention weights reach the product with v through node '{after.name}' ({_op(after)}); "
+                f"only `softmax(scores) @ v` on [batch, heads, seq, seq] weights (casts or dropout between them) "
+                f"is rewritten. Keep the weights 4-D up to the product with v to have it rewritten"))
     if (after is None or not _is_call(after, _MATMUL, ("matmul",))
             or _through_casts_up(after.args[0]) is not probabilities):
         return None
@@ -304,6 +311,21 @@ def _through_casts_up(node: Any) -> Any:
     while _is_call(node, (), _CASTS):
         node = node.args[0]
     return node
+
+
+_RESHAPES = ("view", "reshape", "flatten", "unflatten", "contiguous")
+
+
+def _matmul_after_reshapes(node: fx.Node, depth: int = 3) -> fx.Node | None:
+    """The matmul (or bmm) that `node`, a reshape of attention weights, feeds as its left operand
+    through at most `depth` reshapes and casts; None if there is none."""
+    for _ in range(depth):
+        if not _is_call(node, (torch.reshape, torch.flatten), _RESHAPES + _CASTS) or len(node.users) != 1:
+            return None
+        (node,) = node.users
+        if _is_call(node, _MATMUL + (torch.bmm,), ("matmul", "bmm")):
+            return node
+    return None
 
 
 def _single_user_through_casts(node: fx.Node) -> fx.Node | None:
