@@ -327,3 +327,16 @@ def test_torchao_inference_settings_reach_the_quantized_graphs_only():
     user = xform.Backend(["quantize:float8-dynamic"], inductor_options={"coordinate_descent_tuning": False})
     assert user.pipeline.handoff.config_patches["coordinate_descent_tuning"] is False
     assert xform.Backend(["quantize:float8-rowwise"]).pipeline.handoff.config_patches is None
+
+
+def test_an_inference_recipe_in_a_graph_that_trains_says_its_weights_get_no_gradient():
+    training, inference = ffn(), ffn()
+    xform.compile(training, "quantize:nvfp4-weight-only", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+    with torch.no_grad():
+        xform.compile(inference, "quantize:nvfp4-weight-only", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+
+    (note,) = [n for n in xform.report(training).graphs[0].transforms[0].notes if "inference recipe" in n]
+    assert note.startswith("nvfp4-weight-only is an inference recipe, and this graph trains (")
+    assert note.endswith("its quantized weights get none, so they stay as quantized. For training pick a training "
+                         "recipe (float8-rowwise, float8-tensorwise, mxfp8)")
+    assert not any("inference recipe" in n for n in xform.report(inference).graphs[0].transforms[0].notes)

@@ -308,6 +308,11 @@ class Quantize(Transform):
             plan = self._plan(Device.of(fresh[0].weight.tensor), graph.handoff)
             if plan.emulated:
                 record.note(f"{self.recipe} runs emulated here: {plan.emulated}")
+            training = [layer.path for layer in fresh if layer.weight.tensor.requires_grad]
+            if not recipe.training and torch.is_grad_enabled() and training:
+                record.note(f"{self.recipe} is an inference recipe, and this graph trains ({training[0]}'s weight "
+                            f"needs a gradient): its quantized weights get none, so they stay as quantized. For "
+                            f"training pick a training recipe (float8-rowwise, float8-tensorwise, mxfp8)")
             for layer in fresh:
                 reason = self._refusal(recipe, layer)
                 if reason is not None:
