@@ -395,8 +395,9 @@ def test_cpu_inductor_leaves_a_mask_computed_in_the_graph_with_the_reason():
         out = xform.compile(hand_hf_eager, "flex-attention")(q, k, v, extra)
         torch.testing.assert_close(out, hand_hf_eager(q, k, v, extra))
     (skip,) = xform.report(hand_hf_eager).skips("flex-attention")
-    assert skip.reason.startswith("its mask or bias reads 'tensor', a tensor computed in the graph, which Inductor's "
-                                  "CPU flex kernel cannot take (torch ")
+    assert skip.reason.startswith("its mask or bias reads node 'tensor' (test_attention.py:")
+    assert ("in hand_hf_eager: bias = torch.where(allowed, torch.tensor(0.0), torch.finfo(q.dtype).min)), a tensor "
+            "computed in the graph, which Inductor's CPU flex kernel cannot take (torch ") in skip.reason
     assert skip.reason.endswith("left as written. With handoff='eager' it is rewritten; the CUDA lowering realizes "
                                 "them first")
 

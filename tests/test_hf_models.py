@@ -249,7 +249,7 @@ def test_inductor_matches_eager_and_cpu_flex_says_what_it_cannot_take(name, atte
     if attention == "eager":  # its finite fill leaves it as written before the CPU's own rule is asked
         assert all(reason.startswith(FINITE_FILL) for _, reason in skipped)
         return
-    assert all(reason.startswith("its mask or bias reads '") and "a tensor computed in the graph, which Inductor's "
+    assert all(reason.startswith("its mask or bias reads node '") and "a tensor computed in the graph, which Inductor's "
                "CPU flex kernel cannot take" in reason and reason.endswith("With handoff='eager' it is rewritten; "
                                                                          "the CUDA lowering realizes them first")
                for _, reason in skipped)

@@ -674,10 +674,10 @@ def _inductor_cpu_refusal(site: AttentionSite) -> str | None:
                 "(torch.no_grad), or with handoff='eager' (flex's reference math)")
     computed = next((n for t in site.masks + site.biases for n in t.buffer_nodes if n.op != "placeholder"), None)
     if computed is not None:
-        return (f"its mask or bias reads '{computed.name}', a tensor computed in the graph, which Inductor's CPU "
-                f"flex kernel cannot take (torch {torch.__version__}: its CPU lowering reads the mods' tensors "
-                f"before realizing them, NotImplementedError: Pointwise); left as written. With handoff='eager' "
-                f"it is rewritten; the CUDA lowering realizes them first")
+        return (f"its mask or bias reads {_node_and_line(computed)}, a tensor computed in the graph, which "
+                f"Inductor's CPU flex kernel cannot take (torch {torch.__version__}: its CPU lowering reads the "
+                f"mods' tensors before realizing them, NotImplementedError: Pointwise); left as written. With "
+                f"handoff='eager' it is rewritten; the CUDA lowering realizes them first")
     return None
 
 
