@@ -530,11 +530,12 @@ class FlexAttention(Transform):
             if site is not None:
                 sites.append(site)
         built: list[_BuiltBlockMask] = []  # this graph's block masks, shared by the sites whose masks match
-        taken = [s for s in sites if _refusal(s) is None]
+        refusals = [_refusal(s) for s in sites]  # once each: a finite-fill mask is checked row by row
+        taken = [s for s, refusal in zip(sites, refusals) if refusal is None]
         replaced = {s.output for s in taken}
         replaced |= unused_after([n for s in taken for n in s.output.all_input_nodes], gone=replaced)
-        for site in sites:
-            reason = _refusal(site) or self._device_refusal(site, graph, replaced)
+        for site, refusal in zip(sites, refusals):
+            reason = refusal or self._device_refusal(site, graph, replaced)
             if reason is not None:
                 record.skipped(site.where, reason)
                 continue
