@@ -66,8 +66,9 @@ def borrowed_weights(graph: CapturedGraph, selects: Callable[[str, nn.Module | N
         if tied:
             other = next(name for name in [param.fqn, *tied] if name != f"{path}.weight")
             owner = other.rpartition(".")[0]
-            yield path, (f"its weight is {other}, shared with {owner} ({type(roots[0].get_submodule(owner)).__name__}, "
-                         f"tied weights); changing it would change that module too. Untie the weights to change it")
+            module = next((m for root in roots for name, m in root.named_modules() if name == owner), None)
+            yield path, (f"its weight is {other}, shared with {owner} ({type(module).__name__}, tied weights); "
+                         f"changing it would change that module too. Untie the weights to change it")
         else:
             yield path, (f"it is a {type(param.owner).__name__}, not an nn.Linear: it calls F.linear with its own "
                          f"weight, and only nn.Linear layers are changed; left as written")
