@@ -595,3 +595,10 @@ def test_a_document_mask_built_before_the_call_keeps_the_graph_one_region(record
     assert change.detail.startswith("the whole graph")
     (stats,) = [f.stats for f in transform.functions]
     assert stats.recordings == 1 and stats.replays >= 3
+
+
+def test_a_bitwise_and_of_an_argument_is_not_a_write_into_it():
+    captured = []
+    torch.compile(lambda x, y: (x & y).float() * 2, backend=lambda gm, _: captured.append(gm) or gm.forward,
+                  fullgraph=True)(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool))
+    assert find_breaks(captured[0], set(), device_type="cpu") == {}  # operator.and_ is `x & y`, not `x &= y`

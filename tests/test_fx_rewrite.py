@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from xform.fx_rewrite import unused_after
+from xform.fx_rewrite import is_in_place, unused_after
 
 
 def dynamo_graph(fn, *args) -> fx.GraphModule:
@@ -56,3 +56,17 @@ def test_an_in_place_scale_of_a_product_read_elsewhere_stays():
     q = torch.randn(2, 8, 4)
     (softmax,) = calls(dynamo_graph(read_twice, q, q.clone()), "softmax")
     assert not {"itruediv", "matmul"} & unused_once_gone(softmax)
+
+
+def test_what_writes_in_place():
+    def ops(x, y):
+        a = x & y
+        x &= y
+        z = x.add(1)
+        z.add_(1)
+        return a, z
+
+    gm = dynamo_graph(ops, torch.ones(4, dtype=torch.bool).int(), torch.ones(4).int())
+    written = {str(getattr(n.target, "__name__", n.target)): is_in_place(n) for n in gm.graph.nodes
+               if n.op in ("call_function", "call_method")}
+    assert written == {"and_": False, "iand": True, "add": False, "add_": True}, written

@@ -11,7 +11,6 @@ user can act on: the node, the line of the user's code it came from, the reason 
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -21,7 +20,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 from torch.utils._pytree import tree_leaves
 
-from xform.fx_rewrite import example_value
+from xform.fx_rewrite import example_value, is_in_place
 
 OPS = ("call_function", "call_method", "call_module")
 
@@ -172,16 +171,6 @@ def _symbolic(node: fx.Node, _: Any) -> tuple[str, str] | None:
 _VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "narrow", "select",
           "flatten", "unflatten", "t", "as_strided", "view_as", "expand_as", "contiguous", "getitem", "__getitem__",
           "split", "chunk", "unbind", "movedim", "diagonal", "detach"}
-
-
-def is_in_place(node: fx.Node) -> bool:
-    """Whether the op writes into its first argument (add_, copy_, index_copy_, x[i] = v)."""
-    if node.target is operator.setitem:
-        return True
-    if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
-    name = _target_name(node)
-    return name.endswith("_") and not name.startswith("_")
 
 
 def alias_base(node: fx.Node) -> fx.Node:

@@ -47,6 +47,17 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.ima
 _SIDE_EFFECTS = {print, setattr, "__setitem__", "record_stream", "backward", "retain_grad", "register_hook"}
 
 
+def is_in_place(node: fx.Node) -> bool:
+    """Whether the op writes into its first argument (add_, copy_, index_copy_, x[i] = v, a &= b)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if getattr(target, "__module__", None) == "_operator":  # operator.and_ is `a & b`; `a &= b` is iand
+        return target in _IN_PLACE_OPERATORS
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
 def _pure(node: fx.Node) -> bool:
     """Whether removing an unused `node` cannot change what the graph does: a call with no side
     effect. Dynamo graphs hold torch-level calls, which FX's own dead-code pass cannot judge (it
@@ -54,11 +65,7 @@ def _pure(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if getattr(node.target, "__module__", None) == "_operator":  # operator.and_ is `a & b`; `a &= b` is iand
-        in_place = node.target in _IN_PLACE_OPERATORS
-    else:
-        in_place = name.endswith("_") and not name.endswith("__")
-    if in_place or node.target in _SIDE_EFFECTS or name in _SIDE_EFFECTS:
+    if is_in_place(node) or node.target in _SIDE_EFFECTS or name in _SIDE_EFFECTS:
         return False
     return not (node.op == "call_function" and (name.startswith("_set_") or "grad_enabled" in name))
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 from torch import fx
 
-from xform.capture_safety import OPS, alias_base, is_in_place
+from xform.capture_safety import OPS, alias_base
+from xform.fx_rewrite import is_in_place
 
 SAFE, PLAIN = "graphed", "plain"
 
