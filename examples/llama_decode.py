@@ -10,7 +10,11 @@ mask of the positions written so far), compiled with `quantize:float8-weight-onl
 `--recipe nvfp4-weight-only`), `flex-attention` and `cudagraphs`. Every step has the same shapes
 (the position is a tensor), so one compile serves the prompt and every new token. The prompt is
 fed one token a step too; tokens/s counts the new tokens only, after the first step (which
-compiles). On a CPU, cudagraphs says there is no CUDA device; on a GPU it records the step.
+compiles). On a CPU, cudagraphs says there is no CUDA device; on a GPU it records the step, and
+flex-attention leaves the attention as written, saying why: its mask reads the position, a
+tensor, and in a graph with no backward Inductor's CUDA flex lowering frees such data before
+the kernel reads it (pytorch#181800). On the H200 (torch 2.11) the defaults ran at 2,800 tokens/s
+after a 42 s compile.
 The weights are random, so the text is not meant to be read: the report is.
 """
 
