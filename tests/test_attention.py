@@ -98,6 +98,15 @@ def hand_hf_eager(q, k, v, extra):
     return F.softmax(scores, dim=-1).type(torch.float32) @ v
 
 
+def hand_softcap_gemma2(q, k, v, extra):
+    """As transformers' Gemma 2 eager attention: scale, soft-cap `c * tanh(x / c)`, then the mask added."""
+    qi, ki = _positions()
+    scores = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    scores = torch.tanh(scores / 5.0) * 5.0
+    scores = scores + torch.zeros(S, S).masked_fill(ki > qi, float("-inf"))
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 PATTERNS = {
     sdpa_causal: "SDPA -> flex_attention (causal",
     sdpa_sliding_window: "SDPA -> flex_attention (sliding window 16",
@@ -111,6 +120,7 @@ PATTERNS = {
     hand_in_place_scale: "hand-written -> flex_attention (causal",
     hand_alibi: "hand-written -> flex_attention (causal + ALiBi-style per-head bias",
     hand_hf_eager: "hand-written -> flex_attention (causal + additive bias",
+    hand_softcap_gemma2: "hand-written -> flex_attention (causal + tanh soft-cap 5",
 }
 
 
@@ -153,7 +163,7 @@ def _flex_cpu_reads_data_tensors() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", [
-    sdpa_causal, sdpa_sliding_window, hand_alibi,
+    sdpa_causal, sdpa_sliding_window, hand_alibi, hand_softcap_gemma2,
     pytest.param(hand_document, marks=pytest.mark.skipif(
         not _flex_cpu_reads_data_tensors(),
         reason="torch 2.11's CPU flex kernel cannot lower a mask_mod that reads a data tensor (NoValidChoicesError)")),
@@ -285,13 +295,46 @@ def test_hand_written_attention_with_dropout_in_training_is_left():
 
 def test_an_unknown_op_before_the_softmax_is_named():
     def odd(q, k, v):
-        return torch.softmax(torch.tanh(q @ k.transpose(-2, -1)), dim=-1) @ v
+        return torch.softmax(torch.sigmoid(q @ k.transpose(-2, -1)), dim=-1) @ v
 
     q, k, v, _ = inputs(requires_grad=False)
     out = xform.compile(odd, "flex-attention", handoff="eager")(q, k, v)
     (skip,) = xform.report(odd).skips("flex-attention")
-    assert skip.reason.startswith("node 'tanh' (tanh) between QK^T and the softmax is not a scale")
+    assert skip.reason == ("node 'sigmoid' (sigmoid) between QK^T and the softmax is not a scale, an additive bias, "
+                           "a tanh soft-cap or a -inf mask")
     torch.testing.assert_close(out, odd(q, k, v))
+
+
+def test_a_bare_tanh_is_a_soft_cap_of_one_and_scales_after_it_stay_outside_it():
+    def capped(q, k, v):
+        return torch.softmax(torch.tanh(q @ k.transpose(-2, -1) * 0.5) * 3.0 * 2.0, dim=-1) @ v
+
+    q, k, v, _ = inputs(requires_grad=True)
+    out = xform.compile(capped, "flex-attention", handoff="eager")(q, k, v)
+    assert changes(capped) == ["hand-written -> flex_attention (tanh soft-cap 6; cpu; block mask built once)"]
+    torch.testing.assert_close(out, capped(q, k, v))
+
+
+@pytest.mark.parametrize("under_the_tanh", ["mask", "bias", "second tanh"])
+def test_a_mask_or_bias_under_the_soft_cap_is_left_with_the_reason(under_the_tanh):
+    qi, ki = _positions()
+
+    def capped(q, k, v):
+        scores = q @ k.transpose(-2, -1)
+        if under_the_tanh == "mask":
+            scores = scores.masked_fill(ki > qi, float("-inf"))  # tanh(-inf) = -1: no longer masked
+        elif under_the_tanh == "bias":
+            scores = scores + (ki - qi) * 0.1
+        else:
+            scores = torch.tanh(scores)
+        return torch.softmax(torch.tanh(scores / 4.0) * 4.0, dim=-1) @ v
+
+    q, k, v, _ = inputs(requires_grad=False)
+    out = xform.compile(capped, "flex-attention", handoff="eager")(q, k, v)
+    skip = xform.report(capped).skips("flex-attention")[-1]  # reports are per code object: the last is this case's
+    assert skip.reason == ("a tanh between QK^T and the softmax is taken as a soft-cap (`c * tanh(scores / c)`) only "
+                           "once, and only with every mask and bias after it: a mask under the tanh is no longer a mask")
+    torch.testing.assert_close(out, capped(q, k, v))
 
 
 def test_weights_reshaped_before_the_product_with_v_are_named():

@@ -21,7 +21,15 @@ def document(q, k, v, ids):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=same & (pos[:, None] >= pos[None, :]))
 
 
-@pytest.mark.parametrize("pattern", [causal, document], ids=lambda p: p.__name__)
+def softcap(q, k, v, ids):
+    """Gemma 2's attention, hand-written: scores soft-capped by 50 * tanh(scores / 50), then causal."""
+    pos = torch.arange(q.shape[-2], device=q.device)
+    scores = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 50.0) * 50.0
+    scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return F.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("pattern", [causal, document, softcap], ids=lambda p: p.__name__)
 def test_gpu_rewrite_matches_sdpa_forward_and_backward(pattern):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

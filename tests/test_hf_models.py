@@ -164,6 +164,26 @@ def test_flex_attention_gradients_match(name, attention, padded):
     assert_flex_attention_entries(report, attention)
 
 
+def test_gemma2_soft_capped_eager_attention_is_left_with_a_fix_that_keeps_the_soft_cap():
+    """Gemma 2 soft-caps its scores (`50 * tanh(scores / 50)`), which flex-attention takes, then adds
+    HF's finite-fill mask, which it does not; the fix named must not be HF's sdpa, which drops the cap."""
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+        attn_implementation="eager")).eval()
+    batch = inputs(padded=True)
+    eager = run(model, batch, train=False)
+    compiled = run(model, batch, train=False, call=torch.compile(model, backend=xform.Backend(["flex-attention"],
+                                                                                                handoff="eager")))
+    assert torch.equal(eager.logits, compiled.logits)
+    changed, skipped = entries(xform.report(model), "flex-attention")
+    assert changed == [] and len(skipped) == LAYERS
+    assert all(reason.startswith(FINITE_FILL) and reason.endswith(
+        "Fill with float('-inf') (for a Hugging Face model: attn_implementation='flex_attention', Hugging Face's own "
+        "flex_attention, which keeps the soft-cap; its 'sdpa' drops the soft-cap)") for _, reason in skipped), skipped
+
+
 # --- cast and quantize -----------------------------------------------------------------------------
 
 LINEAR_LAYERS = LAYERS * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head

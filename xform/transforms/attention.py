@@ -105,6 +105,9 @@ class AttentionSite:
     k: fx.Node | None
     v: fx.Node | None
     scale: float | None = None  # None: flex's default 1/sqrt(head dim), as SDPA's
+    # a tanh soft-cap (Gemma 2's `c * tanh(scores / c)`): the score becomes `softcap * tanh(score)`,
+    # the division folded into `scale`; None: no tanh
+    softcap: float | None = None
     masks: list[Term] = field(default_factory=list)
     biases: list[Term] = field(default_factory=list)
     refusal: str | None = None
@@ -182,6 +185,7 @@ _MATMUL = (operator.matmul, torch.matmul)
 _MULS = (operator.mul, operator.imul, torch.mul)  # in place too: `scores *= scale` on QK^T, which nothing else reads
 _DIVS = (operator.truediv, operator.itruediv, torch.div)
 _SOFTMAX = (F.softmax, torch.softmax)
+_TANH = (torch.tanh, F.tanh)
 _CASTS = ("to", "float", "type", "type_as", "half", "bfloat16")
 
 
@@ -227,10 +231,13 @@ def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
             scores, bias = _scores_and_bias(node)
             steps.append(("bias", bias))
             node = _through_casts_up(scores)
+        elif _is_call(node, _TANH, ("tanh",)):
+            steps.append(("tanh", None))
+            node = _through_casts_up(node.args[0])
         else:
             site = AttentionSite(after, "hand-written", None, None, v)
             site.refusal = (f"node '{getattr(node, 'name', node)}' ({_op(node)}) between QK^T and the softmax is not a "
-                            f"scale, an additive bias or a -inf mask")
+                            f"scale, an additive bias, a tanh soft-cap or a -inf mask")
             return site
     q, kt = node.args[0], node.args[1]
     k = _untransposed(kt)
@@ -240,17 +247,27 @@ def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
     if _is_call(q, (operator.mul, torch.mul), ("mul",)) and _scalar_operand(q) is not None:
         scale_before_qk, q = _scalar_operand(q)
     site = AttentionSite(after, "hand-written", q, k, v)
-    _fold_steps(site, list(reversed(steps)), scale_before_qk)
+    site.refusal = _fold_steps(site, list(reversed(steps)), scale_before_qk)
     return site
 
 
-def _fold_steps(site: AttentionSite, steps: list[tuple[str, Any]], scale: float) -> None:
-    """Turn the ops from QK^T to the softmax, in order, into flex's scale, biases and masks: a bias
-    added before a later scale is scaled with it, so score_mod can add it to the scaled score."""
+def _fold_steps(site: AttentionSite, steps: list[tuple[str, Any]], scale: float) -> str | None:
+    """Turn the ops from QK^T to the softmax, in order, into flex's scale, soft-cap, biases and
+    masks: a bias added before a later scale is scaled with it, so score_mod can add it to the
+    scaled score. Scales before a tanh go into flex's scale, scales after it into the soft-cap.
+    Returns why the steps cannot be folded, or None."""
     pending: list[tuple[fx.Node, float]] = []
     for kind, value in steps:
-        if kind == "scale":
-            scale *= value
+        if kind == "tanh":
+            if site.softcap is not None or pending or site.masks:
+                return ("a tanh between QK^T and the softmax is taken as a soft-cap (`c * tanh(scores / c)`) only "
+                        "once, and only with every mask and bias after it: a mask under the tanh is no longer a mask")
+            site.softcap = 1.0
+        elif kind == "scale":
+            if site.softcap is None:
+                scale *= value
+            else:
+                site.softcap *= value
             pending = [(bias, weight * value) for bias, weight in pending]
         elif kind == "bias":
             pending.append((value, 1.0))
@@ -260,6 +277,7 @@ def _fold_steps(site: AttentionSite, steps: list[tuple[str, Any]], scale: float)
     site.scale = scale
     for bias, weight in pending:
         _add_mask_or_bias(site, bias, weight)
+    return None
 
 
 def _scores_and_bias(add: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -354,6 +372,8 @@ def describe_mask(site: AttentionSite, q_len: int, kv_len: int) -> str:
     if any(not t.is_static for t in site.masks):
         parts.append("document (per-token ids)" if any(t.program.reads_ids() for t in site.masks if t.program)
                      else "mask read from a tensor")
+    if site.softcap is not None:  # applied to the score before the biases are added
+        parts.append(f"tanh soft-cap {site.softcap:g}")
     for term in site.biases:
         program = term.program
         per_head = any(labels == ("h",) for _, labels in program.buffer_reads())
@@ -477,7 +497,7 @@ class FlexCall:
     """
 
     def __init__(self, site: AttentionSite, block_template: tuple, kernel_options: dict[str, Any]) -> None:
-        self.masks, self.biases, self.scale = site.masks, site.biases, site.scale
+        self.masks, self.biases, self.scale, self.softcap = site.masks, site.biases, site.scale, site.softcap
         self.kernel_options = kernel_options
         self.block_template = block_template  # a BlockMask tuple, its tensors `_TENSOR` slots
         self.__name__ = "flex_attention"
@@ -494,6 +514,8 @@ class FlexCall:
             return _all_allowed(self.masks, b, h, q_idx, kv_idx, *buffers)
 
         def score_mod(score, b, h, q_idx, kv_idx, *buffers):
+            if self.softcap is not None:
+                score = self.softcap * torch.tanh(score)
             for term, own in _split(self.biases, buffers):
                 score = score + term.bias(b, h, q_idx, kv_idx, *own)
             return score
@@ -732,7 +754,9 @@ def _empty_row_refusal(site: AttentionSite) -> str | None:
     why = (f"its mask fills masked scores with {finite:.4g}, not -inf, so on a row masked at every position the "
            f"model as written attends evenly to all of them, where flex_attention attends to none")
     fix = ("Fill with float('-inf') (for a Hugging Face model: attn_implementation='sdpa', which xform rewrites "
-           "exactly)")
+           "exactly)") if site.softcap is None else (
+        "Fill with float('-inf') (for a Hugging Face model: attn_implementation='flex_attention', Hugging Face's own "
+        "flex_attention, which keeps the soft-cap; its 'sdpa' drops the soft-cap)")
     data = next((n for t in site.masks for n in t.buffer_nodes), None)
     if data is not None:
         return (f"{why}; it reads data ({_node_and_line(data)}), so a row may be (a left-padded one is); left as "
