@@ -124,6 +124,38 @@ def test_a_module_calling_linear_with_its_own_weight_is_named_as_not_a_linear():
                            "nn.Linear layers are changed; left as written")
 
 
+class Experts(nn.Module):
+    """A mixture of experts' stacked weights, as Mixtral holds them: one multiplied an expert at a
+    time through F.linear on a slice, one by a batched product of all experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(4, 32, 16))
+        self.down = nn.Parameter(torch.randn(4, 16, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.stack([torch.nn.functional.linear(x, self.up[e]) for e in range(4)])
+        return torch.bmm(hidden.relu(), self.down.transpose(1, 2)).sum(0)
+
+
+@pytest.mark.parametrize("spec", ["cast:bf16", "quantize:float8-weight-only"])
+def test_stacked_expert_weights_are_named_with_what_multiplies_them(spec):
+    model = nn.Sequential(Experts(), nn.Linear(16, 16))
+    x = torch.randn(2, 16)
+    expected = model(x)
+    out = xform.compile(model, spec, handoff="eager")(x)
+    transform = spec.split(":")[0]
+    assert [c.target for c in xform.report(model).changes(transform) if c.kind == "layer"] == ["1"]
+    skips = [(s.target, s.reason) for s in xform.report(model).skips(transform)]
+    fix = ("not an nn.Linear: only nn.Linear layers are changed; left as written. To change it, hold each expert as an "
+           "nn.Linear, or quantize its grouped GEMMs by hand (torchao.prototype.moe_training)")
+    assert skips == [
+        ("0.up", f"it is a stacked weight of 4 experts ([4, 32, 16]) that linear multiplies (node 'linear'), {fix}"),
+        ("0.down", f"it is a stacked weight of 4 experts ([4, 16, 32]) that bmm multiplies (node 'bmm'), {fix}")]
+    assert model[0].up.dtype == torch.float32  # left as written
+    torch.testing.assert_close(out.float(), expected, atol=0.5, rtol=0.1)  # the Linear changed, the experts not
+
+
 class OwnForwardLinear(nn.Linear):
     """An nn.Linear subclass computing its product itself, as Falcon's FalconLinear does."""
 

@@ -82,6 +82,7 @@ def unchanged_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module | N
     tied weights (`borrowed_weights`), and modules that multiply by their weight themselves."""
     yield from borrowed_weights(graph, selects)
     yield from matmul_layers(graph, selects)
+    yield from stacked_weights(graph, selects)
 
 
 def matmul_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module | None], bool]) -> Iterator[tuple[str, str]]:
@@ -99,6 +100,49 @@ def matmul_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module | None
                 f"it is a {type(param.owner).__name__}, not an nn.Linear: it computes {_name(reader.target)} with its "
                 f"weight, and only nn.Linear layers (F.linear calls) are changed; left as written. Replace it by an "
                 f"nn.Linear (its weight transposed) to change it")
+
+
+_VIEWS = ("transpose", "permute", "view", "reshape", "contiguous", "to", "t", "__getitem__", "select", "getitem",
+          "mT")  # on the way from a stacked weight to the product that reads it (one expert's slice, its transpose)
+_PRODUCTS = ("linear", "matmul", "bmm", "baddbmm", "einsum", "grouped_mm")  # names, as MoE code calls them many ways
+
+
+def stacked_weights(graph: CapturedGraph, selects: Callable[[str, nn.Module | None], bool]) -> Iterator[tuple[str, str]]:
+    """(parameter path, reason) for each parameter of 3 or more dims that a matrix product reads:
+    a mixture of experts' stacked expert weights (Mixtral's `gate_up_proj`, [experts, out, in]),
+    multiplied one expert at a time or by a grouped GEMM. No nn.Linear holds them, so no Linear
+    recipe changes them; said here so that the report accounts for every weight matrix."""
+    for param in graph.parameters:
+        if param.tensor.dim() < 3 or not param.tensor.is_floating_point() or not selects(param.module_path, param.owner):
+            continue
+        reader = _product_reading(param.node)
+        if reader is not None:
+            yield param.fqn, (
+                f"it is a stacked weight of {param.tensor.shape[0]} experts ({list(param.tensor.shape)}) that "
+                f"{_target_name(reader)} multiplies (node '{reader.name}'), not an nn.Linear: only nn.Linear layers "
+                f"are changed; left as written. To change it, hold each expert as an nn.Linear, or quantize its "
+                f"grouped GEMMs by hand (torchao.prototype.moe_training)")
+
+
+def _product_reading(node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The first matrix product reading `node`, through up to `depth` views, slices and casts."""
+    for user in node.users:
+        name = _target_name(user).rpartition(".")[2]
+        if any(p in name for p in _PRODUCTS):
+            return user
+        if depth and name in _VIEWS:
+            found = _product_reading(user, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    if isinstance(node.target, torch._ops.OpOverloadPacket):  # a custom op: its namespace says whose it is
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def _name(target: Any) -> str:
