@@ -537,3 +537,24 @@ def test_flash_that_does_not_import_is_named_with_its_error(monkeypatch):
         assert flash_import_error().endswith("(pip install flash-attn-4 and nvidia-cutlass-dsl)")
     finally:
         flash_import_error.cache_clear()
+
+
+def test_auto_on_a_gpu_without_flash_says_why_it_took_triton():
+    # traced with a fake CUDA tensor: the choice is made from the graph's example values, so no GPU is needed
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from xform.transforms.attention import AttentionSite, flash_import_error
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
+    node = fx.Graph().placeholder("q")
+    node.meta["example_value"] = q
+    site = AttentionSite(node, "SDPA", node, node, node)
+    missing = flash_import_error()
+    if missing is None:
+        pytest.skip("FlashAttention-4 imports here: auto takes Flash")
+    assert FlexAttention("auto")._backend_for(site) == ("triton", missing)
+    assert FlexAttention("triton")._backend_for(site) == ("triton", None)  # asked for: nothing to explain
+    with pytest.raises(ValueError, match=r"backend='flash' cannot run SDPA at node 'q': FlashAttention-4 "):
+        FlexAttention("flash")._backend_for(site)

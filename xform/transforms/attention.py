@@ -561,9 +561,9 @@ class FlexAttention(Transform):
             if reason is not None:
                 record.skipped(site.where, reason)
                 continue
-            backend = self._backend_for(site)
+            backend, why = self._backend_for(site)
             old = site.output
-            new = self._rewrite(graph, site, backend, record, built)
+            new = self._rewrite(graph, site, backend, why, record, built)
             for later in sites:  # an attention's output feeding the next one (q = attention(q, ...))
                 later.q, later.k, later.v = (new if n is old else n for n in (later.q, later.k, later.v))
 
@@ -576,21 +576,24 @@ class FlexAttention(Transform):
             return _inductor_cpu_refusal(site)
         return _inductor_cuda_refusal(site, graph, replaced) if device == "cuda" else None
 
-    def _backend_for(self, site: AttentionSite) -> str:
+    def _backend_for(self, site: AttentionSite) -> tuple[str, str | None]:
+        """The backend for the site, and why auto did not take Flash (None where it did, or was not asked)."""
         q = example_value(site.q)
         if q.device.type != "cuda":
             if self.backend == "flash":
                 raise ValueError(f"xform: transform 'flex-attention': backend='flash' needs a CUDA GPU; "
                                  f"{site.where} runs on {q.device.type}")
-            return "cpu"
+            return "cpu", None
+        if self.backend == "triton":
+            return "triton", None
         missing = _flash_missing(site)
         if self.backend == "flash" and missing:
             raise ValueError(f"xform: transform 'flex-attention': backend='flash' cannot run {site.where}: {missing}. "
                              f"Use backend='auto' (Flash where it runs, else Triton) or 'triton'")
-        return "flash" if self.backend in ("auto", "flash") and not missing else "triton"
+        return ("triton", missing) if missing else ("flash", None)
 
-    def _rewrite(self, graph: CapturedGraph, site: AttentionSite, backend: str, record: TransformRecord,
-                 built: list[_BuiltBlockMask]) -> fx.Node:
+    def _rewrite(self, graph: CapturedGraph, site: AttentionSite, backend: str, why: str | None,
+                 record: TransformRecord, built: list[_BuiltBlockMask]) -> fx.Node:
         q, k = example_value(site.q), example_value(site.k)
         batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         used = set().union(*(t.positions_used for t in site.masks)) if site.masks else set()
@@ -615,7 +618,8 @@ class FlexAttention(Transform):
         g.erase_node(site.output)
         remove_unused(g, replaced_inputs)  # the mask/bias/score nodes only the old attention read
         record.changed("attention", site.where,
-                       f"-> flex_attention ({describe_mask(site, q_len, kv_len)}; {backend}; block mask {how})")
+                       f"-> flex_attention ({describe_mask(site, q_len, kv_len)}; "
+                       f"{backend if why is None else f'{backend}, not Flash: {why}'}; block mask {how})")
         return node
 
 
