@@ -306,8 +306,8 @@ def test_an_unknown_op_before_the_softmax_is_named():
 
 
 def test_a_bare_tanh_is_a_soft_cap_of_one_and_scales_after_it_stay_outside_it():
-    def capped(q, k, v):
-        return torch.softmax(torch.tanh(q @ k.transpose(-2, -1) * 0.5) * 3.0 * 2.0, dim=-1) @ v
+    def capped(q, k, v):  # F.tanh stays F.tanh in Dynamo's graph
+        return torch.softmax(F.tanh(q @ k.transpose(-2, -1) * 0.5) * 3.0 * 2.0, dim=-1) @ v
 
     q, k, v, _ = inputs(requires_grad=True)
     out = xform.compile(capped, "flex-attention", handoff="eager")(q, k, v)
@@ -315,8 +315,12 @@ def test_a_bare_tanh_is_a_soft_cap_of_one_and_scales_after_it_stay_outside_it():
     torch.testing.assert_close(out, capped(q, k, v))
 
 
-@pytest.mark.parametrize("under_the_tanh", ["mask", "bias", "second tanh"])
-def test_a_mask_or_bias_under_the_soft_cap_is_left_with_the_reason(under_the_tanh):
+@pytest.mark.parametrize("under_the_tanh, said", [
+    ("mask", "a mask, which the tanh turns into a bias (tanh(-inf) = -1)"),
+    ("bias", "a bias"),
+    ("second tanh", "another tanh"),
+])
+def test_a_mask_or_bias_under_the_soft_cap_is_left_with_the_reason(under_the_tanh, said):
     qi, ki = _positions()
 
     def capped(q, k, v):
@@ -332,8 +336,10 @@ def test_a_mask_or_bias_under_the_soft_cap_is_left_with_the_reason(under_the_tan
     q, k, v, _ = inputs(requires_grad=False)
     out = xform.compile(capped, "flex-attention", handoff="eager")(q, k, v)
     skip = xform.report(capped).skips("flex-attention")[-1]  # reports are per code object: the last is this case's
-    assert skip.reason == ("a tanh between QK^T and the softmax is taken as a soft-cap (`c * tanh(scores / c)`) only "
-                           "once, and only with every mask and bias after it: a mask under the tanh is no longer a mask")
+    assert skip.reason.startswith("node 'tanh")  # the outer tanh, then the user's line
+    assert skip.reason.endswith(f"soft-caps the scores (`c * tanh(scores / c)`) with {said} under it; flex_attention "
+                                f"takes a soft-cap only with every mask and bias after it")
+    assert "test_attention.py" in skip.reason
     torch.testing.assert_close(out, capped(q, k, v))
 
 

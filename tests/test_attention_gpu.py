@@ -30,7 +30,7 @@ def softcap(q, k, v, ids):
 
 
 @pytest.mark.parametrize("pattern", [causal, document, softcap], ids=lambda p: p.__name__)
-def test_gpu_rewrite_matches_sdpa_forward_and_backward(pattern):
+def test_gpu_rewrite_matches_the_model_as_written_forward_and_backward(pattern):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     ids = (torch.arange(256, device="cuda") // 64).expand(2, 256).contiguous()

@@ -329,7 +329,7 @@ def test_torchao_inference_settings_reach_the_quantized_graphs_only():
     assert xform.Backend(["quantize:float8-rowwise-gw-hp"]).pipeline.handoff.config_patches is None
 
 
-def test_rowwise_training_asks_inductor_for_two_dimensional_tiling_of_its_graphs_only():
+def test_rowwise_training_asks_inductor_for_two_dimensional_tiling_of_its_backends_graphs_only():
     # the row-wise gradient scales reduce over the strided dimension; nd tiling made the H200's FFN
     # step 1.18x bf16 where Inductor's default gave 1.02x (docs/benchmarks.md)
     import torch._inductor.config as inductor_config

@@ -47,6 +47,16 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.ima
 _SIDE_EFFECTS = {print, setattr, "__setitem__", "record_stream", "backward", "retain_grad", "register_hook"}
 
 
+def op_name(node: fx.Node) -> str:
+    """The op a node runs, as a report names it: 'transpose', 'bmm', 'linear', or a custom op with its
+    namespace ('transformers.grouped_mm_fallback'), which says whose op it is."""
+    if isinstance(node.target, str):
+        return node.target
+    if isinstance(node.target, torch._ops.OpOverloadPacket):
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
 def is_in_place(node: fx.Node) -> bool:
     """Whether the op writes into its first argument (add_, copy_, index_copy_, x[i] = v, a &= b)."""
     target = node.target

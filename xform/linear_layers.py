@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from xform.captured import CapturedGraph, GraphParameter
 from xform.dynamo_frame import calling_module_path
+from xform.fx_rewrite import op_name
 
 
 @dataclass
@@ -102,47 +103,54 @@ def matmul_layers(graph: CapturedGraph, selects: Callable[[str, nn.Module | None
                 f"nn.Linear (its weight transposed) to change it")
 
 
-_VIEWS = ("transpose", "permute", "view", "reshape", "contiguous", "to", "t", "__getitem__", "select", "getitem",
-          "mT")  # on the way from a stacked weight to the product that reads it (one expert's slice, its transpose)
-_PRODUCTS = ("linear", "matmul", "bmm", "baddbmm", "einsum", "grouped_mm")  # names, as MoE code calls them many ways
+# on the way from a stacked weight to the product that reads it: one matrix's slice, its transpose
+_VIEWS = {"transpose", "permute", "view", "reshape", "contiguous", "to", "t", "getitem", "__getitem__", "select",
+          "expand", "unsqueeze"}
+_TRANSPOSES = {"mT", "T", "mH", "H"}  # attributes: Dynamo records `w.mT` as getattr(w, 'mT')
+# products by the operand that is the weight: `linear(x, w)`, `x @ w`, `bmm(x, w)`, `baddbmm(c, x, w)`
+_WEIGHT_SLOT = {"linear": 1, "matmul": 1, "__matmul__": 1, "bmm": 1, "baddbmm": 2}
 
 
 def stacked_weights(graph: CapturedGraph, selects: Callable[[str, nn.Module | None], bool]) -> Iterator[tuple[str, str]]:
-    """(parameter path, reason) for each parameter of 3 or more dims that a matrix product reads:
-    a mixture of experts' stacked expert weights (Mixtral's `gate_up_proj`, [experts, out, in]),
-    multiplied one expert at a time or by a grouped GEMM. No nn.Linear holds them, so no Linear
-    recipe changes them; said here so that the report accounts for every weight matrix."""
+    """(parameter path, reason) for each parameter of 3 or more dims that a matrix product takes as
+    its weight: a stack of matrices, as a mixture of experts holds its experts (Mixtral's
+    `gate_up_proj`, [experts, out, in]), multiplied one slice at a time or by a grouped GEMM. No
+    nn.Linear holds them, so no Linear recipe changes them; said here so that the report accounts
+    for every weight matrix."""
     for param in graph.parameters:
-        if param.tensor.dim() < 3 or not param.tensor.is_floating_point() or not selects(param.module_path, param.owner):
+        shape = list(param.tensor.shape)
+        if (len(shape) < 3 or shape[0] < 2 or not param.tensor.is_floating_point()
+                or not selects(param.module_path, param.owner)):
             continue
-        reader = _product_reading(param.node)
+        reader = _product_taking_as_weight(param.node)
         if reader is not None:
             yield param.fqn, (
-                f"it is a stacked weight of {param.tensor.shape[0]} experts ({list(param.tensor.shape)}) that "
-                f"{_target_name(reader)} multiplies (node '{reader.name}'), not an nn.Linear: only nn.Linear layers "
-                f"are changed; left as written. To change it, hold each expert as an nn.Linear, or quantize its "
-                f"grouped GEMMs by hand (torchao.prototype.moe_training)")
+                f"it is a stack of {shape[0]} weight matrices ({shape}, as a mixture of experts holds its experts) "
+                f"that {op_name(reader)} (node '{reader.name}') multiplies by, not an nn.Linear: only nn.Linear layers "
+                f"are changed; left as written. Hold each matrix as an nn.Linear to change it")
 
 
-def _product_reading(node: fx.Node, depth: int = 4) -> fx.Node | None:
-    """The first matrix product reading `node`, through up to `depth` views, slices and casts."""
+def _product_taking_as_weight(node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The first matrix product taking `node` (through up to `depth` views, slices and casts) as its
+    weight operand, or None."""
     for user in node.users:
-        name = _target_name(user).rpartition(".")[2]
-        if any(p in name for p in _PRODUCTS):
+        name = op_name(user).rpartition(".")[2]
+        if _is_product(name) and _operand(user, _WEIGHT_SLOT.get(name, 1)) is node:
             return user
-        if depth and name in _VIEWS:
-            found = _product_reading(user, depth - 1)
+        is_view = name in _VIEWS or (name == "getattr" and len(user.args) > 1 and user.args[1] in _TRANSPOSES)
+        if depth and is_view:
+            found = _product_taking_as_weight(user, depth - 1)
             if found is not None:
                 return found
     return None
 
 
-def _target_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return f"Tensor.{node.target}"
-    if isinstance(node.target, torch._ops.OpOverloadPacket):  # a custom op: its namespace says whose it is
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
+def _is_product(name: str) -> bool:
+    return name in _WEIGHT_SLOT or "grouped_mm" in name  # torch._grouped_mm, transformers' grouped_mm_fallback
+
+
+def _operand(node: fx.Node, slot: int) -> Any:
+    return node.args[slot] if len(node.args) > slot else None
 
 
 def _name(target: Any) -> str:

@@ -47,7 +47,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from xform.capture_safety import user_source
 from xform.captured import CapturedGraph
-from xform.fx_rewrite import example_value, insert_call, remove_unused, unused_after
+from xform.fx_rewrite import example_value, insert_call, op_name, remove_unused, unused_after
 from xform.index_mods import (IndexProgram, NotBounded, NotElementwise, block_bounds, causal_program, dense_program,
                               index_program)
 from xform.registry import register_transform
@@ -232,7 +232,7 @@ def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
             steps.append(("bias", bias))
             node = _through_casts_up(scores)
         elif _is_call(node, _TANH, ("tanh",)):
-            steps.append(("tanh", None))
+            steps.append(("tanh", node))
             node = _through_casts_up(node.args[0])
         else:
             site = AttentionSite(after, "hand-written", None, None, v)
@@ -259,9 +259,11 @@ def _fold_steps(site: AttentionSite, steps: list[tuple[str, Any]], scale: float)
     pending: list[tuple[fx.Node, float]] = []
     for kind, value in steps:
         if kind == "tanh":
-            if site.softcap is not None or pending or site.masks:
-                return ("a tanh between QK^T and the softmax is taken as a soft-cap (`c * tanh(scores / c)`) only "
-                        "once, and only with every mask and bias after it: a mask under the tanh is no longer a mask")
+            under = ("another tanh" if site.softcap is not None else "a bias" if pending else
+                     "a mask, which the tanh turns into a bias (tanh(-inf) = -1)" if site.masks else None)
+            if under is not None:
+                return (f"{_node_and_line(value)} soft-caps the scores (`c * tanh(scores / c)`) with {under} under it; "
+                        f"flex_attention takes a soft-cap only with every mask and bias after it")
             site.softcap = 1.0
         elif kind == "scale":
             if site.softcap is None:
@@ -356,9 +358,7 @@ def _single_user_through_casts(node: fx.Node) -> fx.Node | None:
 
 
 def _op(node: Any) -> str:
-    if not isinstance(node, fx.Node):
-        return type(node).__name__
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return op_name(node) if isinstance(node, fx.Node) else type(node).__name__
 
 
 # -- what a mask is, for the report ------------------------------------------------------------

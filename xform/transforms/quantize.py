@@ -96,7 +96,9 @@ class Recipe:
     bf16_weights: bool = False
     bias: bool = True  # whether the recipe takes layers with a bias
     instead: str = "float8-weight-only"  # what to suggest when torchao cannot run it here
-    inductor: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings for the graphs it quantizes
+    # Inductor settings for the graphs of a backend using the recipe (all its graphs: the settings are
+    # the handoff's, fixed when the backend is made, before any graph is seen)
+    inductor: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def apply(self, linear: nn.Linear, plan: Plan) -> nn.Module:
         """Quantize one layer: swap its weight in place (returns it) or return the swapped-in module."""
@@ -134,8 +136,8 @@ def _float8_training(recipe_name: str, recipe: str) -> Callable[[Device, str], P
 # Row-wise scales of the gradients need an amax over the token dimension, which Inductor fuses into
 # the producer's kernel (SwiGLU's backward) as a reduction along the strided dimension; tiling in
 # two dimensions makes it coalesced. On the H200 (docs/benchmarks.md) this took the FFN's
-# float8-rowwise training step from 12.6 to 10.9 ms (bf16: 12.8 ms); the same setting gave nothing
-# to tensorwise or rowwise-gw-hp, whose casts have no such reduction, so it is theirs alone.
+# float8-rowwise training step from 12.6 to 10.9 ms (bf16: 12.8-13.0 ms); the same setting gave
+# nothing to tensorwise or rowwise-gw-hp, whose casts have no such reduction, so it is this recipe's alone.
 ROWWISE_INDUCTOR = {"triton.prefer_nd_tiling": True}
 
 
@@ -186,7 +188,7 @@ def _mxfp8_training_plan(device: Device, handoff: str) -> Plan:
 # torchao's `recommended_inductor_config_setter`, which its float8 inference configs run by default
 # (`set_inductor_config=True`) on the process's global Inductor config, changing every later
 # compile in the process (coordinate descent over all directions: minutes of compile for a model
-# with attention). xform turns that off and asks for the same settings for the quantized graphs only.
+# with attention). xform turns that off and asks for the same settings for the graphs it compiles only.
 TORCHAO_INDUCTOR = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
                     "force_fuse_int_mm_with_mul": True}
 
