@@ -305,6 +305,21 @@ def test_an_unknown_op_before_the_softmax_is_named():
     torch.testing.assert_close(out, odd(q, k, v))
 
 
+@pytest.mark.parametrize("step, op", [
+    (lambda s: torch.div(s, 4.0, rounding_mode="floor"), "div"),
+    (lambda s: torch.add(s, torch.ones_like(s), alpha=2.0), "add"),
+], ids=["rounded-division", "add-with-alpha"])
+def test_a_division_that_rounds_or_an_add_with_alpha_is_no_scale_or_bias(step, op):
+    def scored(q, k, v):
+        return torch.softmax(step(q @ k.transpose(-2, -1)), dim=-1) @ v
+
+    q, k, v, _ = inputs(requires_grad=False)
+    out = xform.compile(scored, "flex-attention", handoff="eager")(q, k, v)
+    skip = xform.report(scored).skips("flex-attention")[-1]  # reports are per code object: the last is this case's
+    assert skip.reason.startswith(f"node '{op}' ({op}) between QK^T and the softmax is not a scale")
+    torch.testing.assert_close(out, scored(q, k, v))
+
+
 def test_a_bare_tanh_is_a_soft_cap_of_one_and_scales_after_it_stay_outside_it():
     def capped(q, k, v):  # F.tanh stays F.tanh in Dynamo's graph
         return torch.softmax(F.tanh(q @ k.transpose(-2, -1) * 0.5) * 3.0 * 2.0, dim=-1) @ v

@@ -224,10 +224,12 @@ def match_handwritten(softmax: fx.Node) -> AttentionSite | None:
         elif _is_call(node, _MULS, ("mul", "mul_")) and _scalar_operand(node) is not None:
             steps.append(("scale", _scalar_operand(node)[0]))
             node = _through_casts_up(_scalar_operand(node)[1])
-        elif _is_call(node, _DIVS, ("div", "div_")) and _is_number(node.args[1]):
+        elif (_is_call(node, _DIVS, ("div", "div_")) and _is_number(node.args[1])
+              and node.kwargs.get("rounding_mode") is None):  # a rounded division is no scale
             steps.append(("scale", 1.0 / node.args[1]))
             node = _through_casts_up(node.args[0])
-        elif _is_call(node, (operator.add, torch.add), ("add",)) and all(isinstance(a, fx.Node) for a in node.args[:2]):
+        elif (_is_call(node, (operator.add, torch.add), ("add",)) and all(isinstance(a, fx.Node) for a in node.args[:2])
+              and node.kwargs.get("alpha", 1) == 1):  # `add(scores, bias, alpha=a)` adds a * bias
             scores, bias = _scores_and_bias(node)
             steps.append(("bias", bias))
             node = _through_casts_up(scores)
