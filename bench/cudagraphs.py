@@ -19,9 +19,13 @@ after another on the same GPU (memory runs several at a time with `--jobs`):
     python bench/cudagraphs.py --only memory --jobs 6        # memory runs 6 processes at a time
     python bench/cudagraphs.py --only sync:1:xform,sync:1:reduce  # those configurations
     python bench/cudagraphs.py --one decode:sync:1:xform     # one configuration, prints its JSON
+    python bench/cudagraphs.py --only decode:plain:8 --processes 5  # 5 processes each, alternating
 
 `--jobs` overlaps only memory runs (a peak is per process, so it does not mix; their seconds do);
-decode runs, which are timed, always run alone.
+decode runs, which are timed, always run alone. `--processes N` runs each timed configuration in N
+processes, the configurations alternating, and reports the median over processes with the
+range: on the H200 a decode process is fast or slow as a whole (about 6% apart, the same for
+xform and reduce-overhead), so one process per configuration cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -180,10 +184,11 @@ def run_spec(spec: str, env: dict[str, str]) -> dict[str, Any]:
     return row
 
 
-def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], Any]) -> list[dict[str, Any]]:
+def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], Any],
+            processes: int = 1) -> list[dict[str, Any]]:
     """Memory runs `jobs` at a time (each process's Inductor gets its share of the CPUs), then
-    the timed runs one by one; `save` gets the rows so far after each one, so that a run ended
-    early (a time limit) keeps what it measured."""
+    the timed runs one by one, `processes` rounds of them; `save` gets the rows so far after each
+    one, so that a run ended early (a time limit) keeps what it measured."""
     overlapping = [s for s in specs if s.startswith("memory") and jobs > 1]
     env = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
     rows: list[dict[str, Any]] = []
@@ -191,9 +196,10 @@ def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], 
         for row in pool.map(lambda spec: run_spec(spec, env), overlapping):
             rows.append(row)
             save(rows)
-    for spec in (s for s in specs if s not in overlapping):
-        rows.append(run_spec(spec, {}))
-        save(rows)
+    for _ in range(processes):
+        for spec in (s for s in specs if s not in overlapping):
+            rows.append(run_spec(spec, {}))
+            save(rows)
     return rows
 
 
@@ -205,17 +211,22 @@ def unmeasured(row: dict[str, Any]) -> str | None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per decode case: each configuration's ms and xform / reduce-overhead; per memory workload:
-    each configuration's peak reserved memory over Inductor's, and xform's overhead / reduce-overhead's."""
+    """Per decode case: each configuration's ms (the median over its processes, with their range
+    where there are several) and xform / reduce-overhead; per memory workload: each configuration's
+    peak reserved memory over Inductor's, and xform's overhead / reduce-overhead's."""
     by_spec = {r["spec"]: r for r in rows}
     table = []
     for case in sorted({s.rsplit(":", 1)[0] for s in by_spec}):
         got = {c: by_spec.get(f"{case}:{c}", {}) for c in DECODE_CONFIGS}
         if case.startswith("decode"):
-            ms = {c: got[c].get("ms_per_step") for c in DECODE_CONFIGS}
+            runs = {c: [r["ms_per_step"] for r in rows if r["spec"] == f"{case}:{c}" and "ms_per_step" in r]
+                    for c in DECODE_CONFIGS}
+            ms = {c: round(statistics.median(runs[c]), 3) if runs[c] else None for c in DECODE_CONFIGS}
             ratio = round(ms["xform"] / ms["reduce-overhead"], 3) if ms["xform"] and ms["reduce-overhead"] else None
             cells = {f"{c} ms": ms[c] or unmeasured(got[c]) for c in DECODE_CONFIGS}
-            table.append({"case": case, **cells, "xform/reduce-overhead": ratio})
+            spread = {f"{c} range": f"{min(runs[c])}-{max(runs[c])} ({len(runs[c])})"
+                      for c in CONFIGS if len(runs[c]) > 1}
+            table.append({"case": case, **cells, "xform/reduce-overhead": ratio, **spread})
         else:
             peak = {c: got[c].get("peak_reserved_gib") for c in CONFIGS}
             base = peak["inductor"]
@@ -235,6 +246,8 @@ def main() -> None:
                                        "or one of these, comma-separated")
     parser.add_argument("--out", type=Path, help="directory for the JSON result (default bench/results)")
     parser.add_argument("--jobs", type=int, default=1, help="memory runs at a time (default 1)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="processes per timed configuration, alternating (default 1)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one)))
@@ -245,7 +258,7 @@ def main() -> None:
     specs = [s for s in DECODE + MEMORY if wanted is None or any(w in s for w in wanted)]
     name = "cudagraphs" + ("_" + "_".join(w.strip(":").replace(":", "_") for w in wanted) if wanted else "")
     rows = run_all(specs, args.jobs, lambda rows: write_result(name, rows, args.out, summary=summarize(rows),
-                                                               partial=True))
+                                                               partial=True), args.processes)
     table = summarize(rows)
     for part in ("decode", "memory"):
         part_rows = [r for r in table if r["case"].startswith(part)]

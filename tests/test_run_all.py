@@ -228,3 +228,18 @@ def test_bench_scripts_read_inductor_options_as_json_else_as_strings():
     assert inductor_option("max_autotune_gemm_backends=TRITON") == ("max_autotune_gemm_backends", "TRITON")
     with pytest.raises(SystemExit, match="--inductor-option takes KEY=VALUE, not 'tile_reductions'"):
         inductor_option("tile_reductions")
+
+
+def test_decode_figures_are_the_median_over_processes_with_their_range():
+    # a decode process on the H200 is fast or slow as a whole, so a configuration runs in several
+    from bench import cudagraphs
+
+    ms = {"xform": [0.99, 1.06, 1.0], "reduce-overhead": [1.05, 0.975, 1.05]}
+    rows = [{"spec": f"decode:plain:1:{config}", "ms_per_step": t} for i in range(3) for config, t in
+            ((c, ms[c][i]) for c in ms)]
+    rows.append({"spec": "decode:plain:1:thunder", "skipped": "no thunder"})
+    (summary,) = cudagraphs.summarize(rows)
+    assert summary["xform ms"] == 1.0 and summary["reduce-overhead ms"] == 1.05
+    assert summary["xform/reduce-overhead"] == 0.952
+    assert summary["xform range"] == "0.99-1.06 (3)" and summary["reduce-overhead range"] == "0.975-1.05 (3)"
+    assert summary["thunder ms"] == "skipped: no thunder" and "inductor range" not in summary
