@@ -1,6 +1,7 @@
-"""Models nobody here wrote: Hugging Face transformers' Llama, Mistral and GPT-2, at small sizes with
-random weights (built from their configs: nothing is downloaded), compiled with each transform and
-compared with the same model run eagerly.
+"""Models nobody here wrote: Hugging Face transformers' Llama, Mistral and GPT-2 (and Gemma 2 and
+Whisper for the cases they bring: a soft-cap, an encoder-decoder), at small sizes with random weights
+(built from their configs: nothing is downloaded), compiled with each transform and compared with the
+same model run eagerly.
 
 Tolerances, as the SQNR (dB) of the compiled model's logits, and of each parameter's gradient for
 training, against eager's:
@@ -183,6 +184,39 @@ def test_gemma2_soft_capped_eager_attention_is_left_with_a_fix_that_keeps_the_so
         "Fill with float('-inf') (for a Hugging Face model: attn_implementation='flex_attention', Hugging Face's own "
         "flex_attention, which keeps the soft-cap; its 'sdpa' drops the soft-cap)") for _, reason in skipped), skipped
 
+
+
+def test_whisper_trains_with_a_left_padded_decoder_mask():
+    """An encoder-decoder: encoder (16 frames) and decoder (10 tokens) layers share their attention's code,
+    so Dynamo recompiles it for the second sequence length, and hands sizes that are SymInts of fixed
+    value; the decoder's padding mask, built per call from them, once failed there ("SymIntArrayRef
+    expected to contain only concrete integers")."""
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2,
+        attn_implementation="sdpa")).train()
+    tokens = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[0, :3] = 0
+    batch = {"input_features": torch.randn(2, 8, 32), "decoder_input_ids": tokens, "decoder_attention_mask": padding,
+             "labels": tokens}
+
+    def step(call: Any) -> Outputs:
+        out = call(**batch)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return Outputs(out.logits.detach(), grads)
+
+    eager = step(model)
+    compiled = step(torch.compile(model, backend=xform.Backend(["flex-attention"], handoff="eager")))
+    assert sqnr(eager.logits, compiled.logits) >= EXACT
+    assert worst_grad_sqnr(eager, compiled) >= EXACT
+    changed = [c.detail for c in xform.report(model).changes("flex-attention")]
+    assert any("mask read from a tensor" in detail for detail in changed), changed  # the decoder's padding
+    assert sum("no mask" in detail for detail in changed) >= 2, changed  # the encoder's, and cross-attention
 
 # --- cast and quantize -----------------------------------------------------------------------------
 

@@ -597,7 +597,9 @@ class FlexAttention(Transform):
     def _rewrite(self, graph: CapturedGraph, site: AttentionSite, backend: str, why: str | None,
                  record: TransformRecord, built: list[_BuiltBlockMask]) -> fx.Node:
         q, k = example_value(site.q), example_value(site.k)
-        batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        # ints: _shape_refusal let through no size with a free symbol, but Dynamo may still hand a SymInt
+        # whose value is fixed (a recompiled graph), which a BlockMask built per call cannot expand by
+        batch, heads, q_len, kv_len = (int(s) for s in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
         used = set().union(*(t.positions_used for t in site.masks)) if site.masks else set()
         sizes = (batch if "b" in used else None, heads if "h" in used else None, q_len, kv_len)
         options = {"BACKEND": "FLASH"} if backend == "flash" else {}
