@@ -597,9 +597,7 @@ class FlexAttention(Transform):
     def _rewrite(self, graph: CapturedGraph, site: AttentionSite, backend: str, why: str | None,
                  record: TransformRecord, built: list[_BuiltBlockMask]) -> fx.Node:
         q, k = example_value(site.q), example_value(site.k)
-        # ints: _shape_refusal let through no size with a free symbol, but Dynamo may still hand a SymInt
-        # whose value is fixed (a recompiled graph), which a BlockMask built per call cannot expand by
-        batch, heads, q_len, kv_len = (int(s) for s in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        batch, heads, q_len, kv_len = map(_fixed, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
         used = set().union(*(t.positions_used for t in site.masks)) if site.masks else set()
         sizes = (batch if "b" in used else None, heads if "h" in used else None, q_len, kv_len)
         options = {"BACKEND": "FLASH"} if backend == "flash" else {}
@@ -777,6 +775,13 @@ def _empty_row_refusal(site: AttentionSite) -> str | None:
         if bool(empty.any()):
             return f"{why}, and its row {start + int(empty.nonzero()[0])} is masked everywhere; left as written. {fix}"
     return None
+
+
+def _fixed(size: int | torch.SymInt) -> int | torch.SymInt:
+    """A size as an int where its value is fixed. Dynamo may hand a SymInt of fixed value (a graph
+    recompiled for another size), which a BlockMask built per call cannot expand by; a dynamic one
+    (a batch no mask reads) stays symbolic: int() would specialize it."""
+    return size if free_symbols(size) else int(size)
 
 
 def _shape_refusal(site: AttentionSite) -> str | None:
