@@ -7,6 +7,8 @@ A configuration is `variant:recipe` as bench/quantize.py names them (`torchao by
 `xform tuned` with `--inductor-option`; no recipe for the bf16 variants). Each is prepared (compiled
 and run once), warmed up 3 steps, then profiled over `--steps` steps; a kernel is a GEMM when its
 name says so (cuBLAS's nvjet and gemm kernels, CUTLASS), Triton when Inductor generated it.
+`--top N` also lists each configuration's N costliest kernels (ms a step, calls a step), the ones
+worth tuning.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,8 +34,8 @@ def kind(kernel: str) -> str:
     return "triton" if kernel.startswith("triton") else "other"
 
 
-def split(run, steps: int) -> dict[str, float]:
-    """ms a step of each kind of kernel, over `steps` profiled steps."""
+def split(run, steps: int, top: int = 0) -> dict[str, Any]:
+    """ms a step of each kind of kernel, over `steps` profiled steps (and the `top` costliest kernels)."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -40,11 +43,26 @@ def split(run, steps: int) -> dict[str, float]:
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
+    kernels = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return summarize(kernels, steps, top)
+
+
+def summarize(kernels: Sequence[tuple[str, float]], steps: int, top: int = 0) -> dict[str, Any]:
+    """From (kernel name, CUDA us) of every launch over `steps` steps: ms a step per kind, and under
+    "top" the `top` kernels with the most time, each with its ms and launches a step."""
     totals = {"gemm": 0.0, "triton": 0.0, "other": 0.0}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[kind(event.name)] += event.device_time_total / 1000
-    return {f"{k} ms": round(v / steps, 3) for k, v in totals.items()}
+    per_kernel: dict[str, list[float]] = {}
+    for name, us in kernels:
+        totals[kind(name)] += us / 1000
+        time_and_calls = per_kernel.setdefault(name, [0.0, 0])
+        time_and_calls[0] += us / 1000
+        time_and_calls[1] += 1
+    result: dict[str, Any] = {f"{k} ms": round(v / steps, 3) for k, v in totals.items()}
+    if top:
+        costliest = sorted(per_kernel.items(), key=lambda item: -item[1][0])[:top]
+        result["top"] = [{"kernel": name, "ms": round(ms / steps, 3), "calls": calls / steps}
+                         for name, (ms, calls) in costliest]
+    return result
 
 
 def main() -> None:
@@ -53,6 +71,7 @@ def main() -> None:
     parser.add_argument("--configs", default="bf16 inductor:,xform:float8-tensorwise,xform:float8-rowwise")
     parser.add_argument("--inductor-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=0, help="also list each configuration's N costliest kernels")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     quantize.TUNED.update(inductor_option(o) for o in args.inductor_option)
@@ -61,11 +80,14 @@ def main() -> None:
         variant, _, recipe = config.partition(":")
         training = recipe == "" or quantize.RECIPES[recipe].training
         model, run = quantize.prepare(args.model, variant, recipe or None, training)
-        rows.append({"model": args.model, "variant": variant, "recipe": recipe or "bf16", **split(run, args.steps)})
-        print(rows[-1], flush=True)
+        rows.append({"model": args.model, "variant": variant, "recipe": recipe or "bf16",
+                     **split(run, args.steps, args.top)})
+        for entry in rows[-1].get("top", []):
+            print(f"  {entry['ms']:8.3f} ms  {entry['calls']:5g} calls  {entry['kernel'][:150]}")
+        print({k: v for k, v in rows[-1].items() if k != "top"}, flush=True)
         del model, run
         release_compiled()
-    print_table(rows, list(rows[0]))
+    print_table(rows, [column for column in rows[0] if column != "top"])
     print("results:", write_result(f"kernel_split_{args.model}", rows, args.out, tuned=quantize.TUNED or None))
 
 

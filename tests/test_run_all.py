@@ -243,3 +243,15 @@ def test_decode_figures_are_the_median_over_processes_with_their_range():
     assert summary["xform/reduce-overhead"] == 0.952
     assert summary["xform range"] == "0.99-1.06 (3)" and summary["reduce-overhead range"] == "0.975-1.05 (3)"
     assert summary["thunder ms"] == "skipped: no thunder" and "inductor range" not in summary
+
+
+def test_kernel_split_sums_kinds_per_step_and_lists_the_costliest_kernels():
+    from bench import kernel_split
+
+    launches = [("nvjet_tst_128x256", 3000.0), ("triton_red_fused_amax_0", 800.0), ("triton_red_fused_amax_0", 700.0),
+                ("triton_poi_fused_mul_1", 100.0), ("Memset (Device)", 20.0)]  # us, over 2 steps
+    result = kernel_split.summarize(launches, steps=2, top=2)
+    assert result["gemm ms"] == 1.5 and result["triton ms"] == 0.8 and result["other ms"] == 0.01
+    assert result["top"] == [{"kernel": "nvjet_tst_128x256", "ms": 1.5, "calls": 0.5},
+                             {"kernel": "triton_red_fused_amax_0", "ms": 0.75, "calls": 1.0}]
+    assert "top" not in kernel_split.summarize(launches, steps=2)
