@@ -20,8 +20,9 @@ On the device machine: only what is under $OUT comes back, so run there and rend
 
 All of it takes longer than one device call may run (10 minutes): split it over several calls
 with --only (--timeout ends a benchmark that would overrun; every script writes its JSON after
-each configuration, so what ran before the end is kept) and gather their results folders in one
-before rendering. Measured on the H200 (2026-12-03): quantize_ffn 233 s, attention 167 s (after
+each configuration, so what ran before the end is kept) and render each call's results folder in
+turn: a benchmark with nothing in the folder rendered keeps the section of the run that measured
+it, and each section says when that was. Measured on the H200 (2026-12-03): quantize_ffn 233 s, attention 167 s (after
 FlashAttention-4's two-call install), quantize_block over 170 s, cudagraphs_memory about 200 s,
 decode about 34 s a configuration (10 in each decode benchmark), compile_overhead 297 s on the
 2-core CPU. So: one call for quantize_ffn + attention, one for quantize_block + cudagraphs_memory,
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- run_all: begin -->", "<!-- run_all: end -->"
 CELL_CHARS = 160
+RAN_ON = "Run on"  # a section's first line: when its results were measured, and where they were
 
 
 @dataclass(frozen=True)
@@ -284,14 +287,15 @@ def result_text(stem: str, result: dict[str, Any], bench: Benchmark, several: bo
     return lines + (extra + [""] if extra else [])
 
 
-def section(bench: Benchmark, out: Path, docs: Path, charts: Path) -> str:
-    """One benchmark's markdown: how it ran, its tables and its chart (or why there is none)."""
+def section(bench: Benchmark, out: Path, docs: Path, charts: Path, stamp: str) -> str:
+    """One benchmark's markdown: when and how it ran, its tables and its chart (or why there is none)."""
     record, results = load_record(out, bench), load_results(out, bench)
-    lines = [f"### {bench.title}", ""]
+    lines = [f"### {bench.title}", "", f"{RAN_ON} {stamp}, results in `{out}`."]
     if record:
         lines += [f"Status: {record['status']}" + (f" ({record['reason']})" if record.get("reason") else "")
                   + (", `--quick`" if record.get("quick") else "") + "."]
-        lines += [f"Command: `{c}`" for c in record["commands"]] + [""]
+        lines += [f"Command: `{c}`" for c in record["commands"]]
+    lines += [""]
     if not results:
         return "\n".join(lines + [f"No results in `{out}`.", ""])
     for stem, result in results.items():
@@ -304,6 +308,21 @@ def section(bench: Benchmark, out: Path, docs: Path, charts: Path) -> str:
     return "\n".join(lines)
 
 
+def earlier_sections(text: str) -> dict[str, str]:
+    """The sections a last run rendered between the markers, by title, each with the line saying when
+    it ran (a section of the older format, one date for the whole block, is given that date)."""
+    if BEGIN not in text or END not in text:
+        return {}
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    old_header = re.search(r"Generated (.+?) by `python bench/run_all.py` from the results in `([^`]*)`", block)
+    sections = {}
+    for part in re.split(r"^(?=### )", block, flags=re.M)[1:]:
+        title, _, body = part.strip().partition("\n")
+        if RAN_ON not in body and old_header:
+            body = f"\n{RAN_ON} {old_header[1]}, results in `{old_header[2]}`." + body
+        sections[title[4:]] = f"{title}\n{body.rstrip()}\n"
+    return sections
+
 def replace_generated(text: str, generated: str) -> str:
     """`text` with what lies between the markers replaced by `generated`; the markers are added at
     the end where missing. Everything outside them is kept as it was."""
@@ -314,11 +333,23 @@ def replace_generated(text: str, generated: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
-def render(benchmarks: Sequence[Benchmark], out: Path, docs: Path, charts: Path) -> None:
+def render(benchmarks: Sequence[Benchmark], out: Path, docs: Path, charts: Path,
+           chosen: Sequence[Benchmark] | None = None) -> None:
+    """Write the generated block of `docs`: a fresh section for each benchmark with a record or results
+    in `out`; for the others the section their last run rendered, kept with its date (device calls
+    and sessions each run some benchmarks), else, for those `chosen` to run, a line saying none came."""
+    text = docs.read_text() if docs.exists() else ""
+    kept = earlier_sections(text)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = f"Generated {stamp} by `python bench/run_all.py` from the results in `{out}`."
-    generated = "\n".join([header, ""] + [section(b, out, docs, charts) for b in benchmarks])
-    docs.write_text(replace_generated(docs.read_text() if docs.exists() else "", generated))
+    parts = [f"Generated by `python bench/run_all.py`, last on {stamp}. Each section says when its results were "
+             "measured: a benchmark not run since keeps its section from the run that measured it.", ""]
+    for bench in benchmarks:
+        if load_record(out, bench) or load_results(out, bench) or (bench.title not in kept and
+                                                                  (chosen is None or bench in chosen)):
+            parts.append(section(bench, out, docs, charts, stamp))
+        elif bench.title in kept:
+            parts.append(kept[bench.title])
+    docs.write_text(replace_generated(text, "\n".join(parts)))
     print("wrote", docs, flush=True)
 
 
@@ -351,7 +382,7 @@ def main(argv: Sequence[str] | None = None, benchmarks: Sequence[Benchmark] = BE
         gpus = cuda_devices()
         for bench in chosen:
             run_benchmark(bench, args.out, args.quick, args.timeout, gpus)
-    render(chosen, args.out, args.docs, args.charts or args.docs.parent / "charts")
+    render(benchmarks, args.out, args.docs, args.charts or args.docs.parent / "charts", chosen)
 
 
 if __name__ == "__main__":

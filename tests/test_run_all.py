@@ -255,3 +255,30 @@ def test_kernel_split_sums_kinds_per_step_and_lists_the_costliest_kernels():
     assert result["top"] == [{"kernel": "nvjet_tst_128x256", "ms": 1.5, "calls": 0.5},
                              {"kernel": "triton_red_fused_amax_0", "ms": 0.75, "calls": 1.0}]
     assert "top" not in kernel_split.summarize(launches, steps=2)
+
+
+def test_a_benchmark_not_run_again_keeps_its_last_section_with_its_date(tmp_path):
+    """Device calls each run some benchmarks: rendering one call's results replaces their sections and
+    keeps the others' from the runs that measured them, each saying when that was."""
+    doc = _doc(tmp_path)
+    quantize, attention = (next(b for b in run_all.BENCHMARKS if b.name == n) for n in ("quantize_ffn", "attention"))
+    first, second = tmp_path / "first", tmp_path / "second"
+    _write(first / "quantize_ffn.json", QUANTIZE_RESULT)
+    run_all.render(run_all.BENCHMARKS, first, doc, doc.parent / "charts", chosen=[quantize])
+    earlier = run_all.earlier_sections(doc.read_text())
+    assert list(earlier) == [quantize.title] and f"{run_all.RAN_ON} " in earlier[quantize.title]
+    _write(second / "attention.json", {"environment": {}, "rows": [{"seq": 1024, "xform": 0.5}]})
+    run_all.render(run_all.BENCHMARKS, second, doc, doc.parent / "charts", chosen=[attention])
+    now = run_all.earlier_sections(doc.read_text())
+    assert list(now) == [quantize.title, attention.title]
+    assert now[quantize.title] == earlier[quantize.title] and f"results in `{first}`" in now[quantize.title]
+    assert f"results in `{second}`" in now[attention.title] and "| 1024 | 0.5 |" in now[attention.title]
+
+
+def test_sections_of_the_older_format_are_kept_with_the_block_date():
+    block = (f"{run_all.BEGIN}\nGenerated 2026-12-03 16:21 UTC by `python bench/run_all.py` from the results in "
+             f"`/tmp/allres`.\n\n### CUDA graphs: memory\n\nStatus: ran.\n\n| a |\n\n### Other\n\nNo results.\n{run_all.END}")
+    sections = run_all.earlier_sections(f"# B\n\n{block}\n")
+    assert sections["CUDA graphs: memory"] == ("### CUDA graphs: memory\n\nRun on 2026-12-03 16:21 UTC, results in "
+                                               "`/tmp/allres`.\nStatus: ran.\n\n| a |\n")
+    assert list(sections) == ["CUDA graphs: memory", "Other"]
