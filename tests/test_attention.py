@@ -444,6 +444,30 @@ def test_a_finite_fill_that_can_mask_a_whole_row_is_left_with_the_reason(pattern
                                                        "attn_implementation='sdpa', which xform rewrites exactly)")
 
 
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")], ids=["finfo.min", "-inf"])
+def test_a_float_mask_passed_in_with_rows_masked_everywhere_keeps_its_gradients(fill):
+    """A 4-D float mask the caller builds (as Hugging Face does with finfo.min) is an additive bias; on
+    the rows it masks everywhere (left padding) the model as written attends evenly. flex's backward
+    overflowed on scores that low and gave those rows other gradients (1 dB); the bias is raised to
+    -1e30 where it is lower, which changes no output."""
+    q, k, v, extra = inputs(requires_grad=True)
+    qi, ki = _positions()
+    allowed = (qi >= ki).expand(B, 1, S, S).clone()
+    allowed[1, :, :5, :] = False  # sequence 1 left-padded by 5: its rows 0-4 are masked everywhere
+    allowed[1, :, 5:, :5] = False
+    extra["dense"] = torch.zeros(B, 1, S, S).masked_fill(~allowed, fill)
+    out = xform.compile(sdpa_dense_mask, "flex-attention", handoff="eager")(q, k, v, extra)
+    expected = sdpa_dense_mask(q, k, v, extra)
+    (change,) = changes(sdpa_dense_mask)[-1:]
+    assert change.startswith("SDPA -> flex_attention (additive bias"), change
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    weights = torch.linspace(-1, 1, D)  # a loss whose gradient differs across positions
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for name, got, want in zip("qkv", grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"gradient of {name}")
+
 def test_cpu_training_under_inductor_is_left_with_the_reason():
     q, k, v, extra = inputs(requires_grad=True)
     out = xform.compile(sdpa_causal, "flex-attention")(q, k, v, extra)

@@ -58,6 +58,7 @@ from xform.transform import Transform, option_error
 BACKENDS = ("auto", "flash", "triton")
 BLOCK = 128  # flex's default block size, that of create_block_mask
 MASKED = -1e4  # a masked_fill value at or below this is a mask, not a bias
+BIAS_FLOOR = -1e30  # see Term.bias
 
 
 @dataclass
@@ -91,8 +92,15 @@ class Term:
         return ~value if self.negate else value
 
     def bias(self, b: Any, h: Any, q: Any, kv: Any, *buffers: torch.Tensor) -> torch.Tensor:
+        """The bias, with finite values below BIAS_FLOOR raised to it: a mask passed as a float tensor
+        holds finfo.min where it masks, and flex's backward overflows to -inf on a score that low,
+        which gives a row masked everywhere (left padding) gradients of 0 where the model as written
+        attends evenly to every position. Raised, the forward is the same (exp of either is 0 beside
+        any unmasked score, and a row of nothing else is still even); only the gradient of the bias
+        tensor itself at those masked positions becomes 0. -inf stays -inf."""
         value = self.program.evaluate(b, h, q, kv, *buffers)
-        return value * self.weight if self.weight != 1.0 else value
+        value = value * self.weight if self.weight != 1.0 else value
+        return torch.where((value < BIAS_FLOOR) & (value != float("-inf")), BIAS_FLOOR, value)
 
 
 @dataclass
