@@ -98,6 +98,13 @@ def hand_hf_eager(q, k, v, extra):
     return F.softmax(scores, dim=-1).type(torch.float32) @ v
 
 
+def hand_dense_bias(q, k, v, extra):
+    """As transformers' eager attention given a 4-D float mask: the mask sliced to the keys, added."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    scores = scores + extra["dense"][:, :, :, : k.shape[-2]]
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def hand_softcap_gemma2(q, k, v, extra):
     """As transformers' Gemma 2 eager attention: scale, soft-cap `c * tanh(x / c)`, then the mask added."""
     qi, ki = _positions()
@@ -445,28 +452,54 @@ def test_a_finite_fill_that_can_mask_a_whole_row_is_left_with_the_reason(pattern
 
 
 
-@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")], ids=["finfo.min", "-inf"])
-def test_a_float_mask_passed_in_with_rows_masked_everywhere_keeps_its_gradients(fill):
-    """A 4-D float mask the caller builds (as Hugging Face does with finfo.min) is an additive bias; on
-    the rows it masks everywhere (left padding) the model as written attends evenly. flex's backward
-    overflowed on scores that low and gave those rows other gradients (1 dB); the bias is raised to
-    -1e30 where it is lower, which changes no output."""
-    q, k, v, extra = inputs(requires_grad=True)
+def _padded_float_mask(fill: float) -> torch.Tensor:
+    """A 4-D float mask as Hugging Face builds one: causal, sequence 1 left-padded by 5 (its rows 0-4
+    masked everywhere), `fill` where it masks."""
     qi, ki = _positions()
     allowed = (qi >= ki).expand(B, 1, S, S).clone()
-    allowed[1, :, :5, :] = False  # sequence 1 left-padded by 5: its rows 0-4 are masked everywhere
+    allowed[1, :, :5, :] = False
     allowed[1, :, 5:, :5] = False
-    extra["dense"] = torch.zeros(B, 1, S, S).masked_fill(~allowed, fill)
+    return torch.zeros(B, 1, S, S).masked_fill(~allowed, fill)
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")], ids=["finfo.min", "-inf"])
+def test_sdpa_given_a_float_mask_with_rows_masked_everywhere_keeps_its_outputs_and_gradients(fill):
+    """The float mask is an additive bias. On the rows it masks everywhere, flex's backward overflowed
+    on finfo.min and gave gradients unlike SDPA's (1 dB); raised to -1e30 it gives SDPA's."""
+    q, k, v, extra = inputs(requires_grad=True)
+    extra["dense"] = _padded_float_mask(fill)
     out = xform.compile(sdpa_dense_mask, "flex-attention", handoff="eager")(q, k, v, extra)
     expected = sdpa_dense_mask(q, k, v, extra)
-    (change,) = changes(sdpa_dense_mask)[-1:]
-    assert change.startswith("SDPA -> flex_attention (additive bias"), change
+    assert changes(sdpa_dense_mask)[-1].startswith("SDPA -> flex_attention (additive bias")
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     weights = torch.linspace(-1, 1, D)  # a loss whose gradient differs across positions
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
     for name, got, want in zip("qkv", grads, expected_grads):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_hand_written_attention_adding_a_float_mask_it_is_given_is_left_in_training(training):
+    """Written out, the softmax of a row masked everywhere by finfo.min has exact gradients (even
+    attention), which flex's backward cannot give: left as written in training, with the reason;
+    at inference the outputs are the same, and it is rewritten."""
+    q, k, v, extra = inputs(requires_grad=training)
+    extra["dense"] = _padded_float_mask(torch.finfo(torch.float32).min)
+    model = AsModule(hand_dense_bias)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    torch.testing.assert_close(out, hand_dense_bias(q, k, v, extra), atol=2e-5, rtol=2e-5)
+    report = xform.report(model)
+    if not training:
+        assert [c.detail for c in report.changes("flex-attention")][0].startswith("-> flex_attention (additive bias")
+        return
+    (skip,) = report.skips("flex-attention")
+    assert skip.reason.startswith("it adds to the scores a tensor it reads per key (node '"), skip.reason
+    assert ("which may be a float mask filled with finfo.min (as Hugging Face builds one); on a row such a mask masks "
+            "everywhere (left padding) the model as written has gradients flex_attention's backward cannot give, so it "
+            "is left as written in training (rewritten at inference)") in skip.reason
+    assert skip.reason.endswith("(for a Hugging Face model: attn_implementation='sdpa', which xform rewrites)")
+
 
 def test_cpu_training_under_inductor_is_left_with_the_reason():
     q, k, v, extra = inputs(requires_grad=True)

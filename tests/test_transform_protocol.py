@@ -193,3 +193,26 @@ def test_a_handoff_failure_names_the_graph_and_transforms():
     with pytest.raises(Exception, match=r"(?s)handoff 'inductor' failed to compile graph 0/0 after transforms "
                                         r"\['bad-graph'\]: .*compile with handoff='eager'"):
         xform.compile(mlp(), BadGraph())(torch.randn(2, 16))
+
+
+def test_a_handoff_exception_dynamo_falls_back_on_reaches_it_as_it_is(monkeypatch):
+    """Inductor raising DataDependentOutputException under AOTAutograd (a Mixture-of-Experts router in
+    training) is one Dynamo answers with a graph break, as it does for torch.compile(backend="inductor");
+    wrapped in xform's handoff error it failed the whole compile."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from xform.handoff import EagerHandoff
+
+    calls = []
+    compile_graph = EagerHandoff.compile
+
+    def fails_once(self, gm, example_inputs, aot_hook, *args, **kwargs):
+        calls.append(gm)
+        if len(calls) == 1:
+            raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+        return compile_graph(self, gm, example_inputs, aot_hook, *args, **kwargs)
+
+    monkeypatch.setattr(EagerHandoff, "compile", fails_once)
+    model, x = mlp(), torch.randn(2, 16)
+    torch.testing.assert_close(xform.compile(model, handoff="eager")(x), model(x))
+    assert len(calls) >= 1

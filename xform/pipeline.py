@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch import fx
-from torch._dynamo.exc import RestartAnalysis, SkipFrame
+from torch._dynamo.exc import RestartAnalysis, SkipFrame, exceptions_allowed_to_be_fallback
 
 from xform.captured import CapturedGraph
 from xform.faults import TransformFailed, strict, transform_failure
@@ -28,6 +28,10 @@ from xform.transform import Transform
 # raised by Dynamo from inside a backend to restart or skip its analysis (a float read on the host
 # becoming a tensor, say): they must reach Dynamo as they are, not as a transform's or handoff's failure
 DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame)
+# raised by a handoff's compile where Dynamo, given them as they are, breaks the graph there and goes on
+# (an op whose output depends on data under AOTAutograd's fake tensors, as a Mixture-of-Experts router's
+# is): wrapped, they failed the whole compile where torch.compile(backend="inductor") runs
+HANDOFF_FALLBACKS = (*DYNAMO_SIGNALS, *exceptions_allowed_to_be_fallback)
 
 PARAMETERS_NOT_INPUTS = (
     "the graph reads them as attributes of the graph module, not as inputs (a graph traced outside "
@@ -143,7 +147,9 @@ class Pipeline:
                     compiled = t.compile_graph(graph, partial(self.handoff.compile, aot_hook=aot_hook), records[t.name])
             if compiled is None:
                 compiled = self.handoff.compile(graph.gm, graph.example_inputs, aot_hook)
-        except DYNAMO_SIGNALS:
+        except HANDOFF_FALLBACKS as error:
+            logger.info("graph %s: handoff %r raised %s, which Dynamo answers with a graph break",
+                        record.graph, self.handoff.name, type(error).__name__)
             raise
         except Exception as error:
             if transform_failure(error) is not None:
