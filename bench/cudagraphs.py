@@ -96,6 +96,10 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
     compile_ = compiler(config)
     torch.manual_seed(0)
     model = DecodeLlama(LlamaConfig(), batch, host_sync=variant == "sync").to("cuda", torch.bfloat16).eval()
+    # weights that need no gradient: ThunderFX reads requires_grad from the graph's inputs, not the
+    # no_grad below, and traced a forward for backward (its CUDA graphs then failed, and its SDPA
+    # executor at batch 8, on the H100 2026-12-05); the other configurations do the same either way
+    model.requires_grad_(False)
     step = compile_(model)
     tokens = torch.randint(32000, (batch, 1), device="cuda")
     positions = torch.arange(1024, device="cuda")

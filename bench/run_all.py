@@ -275,7 +275,8 @@ def environment_line(result: dict[str, Any]) -> str:
 def notes(result: dict[str, Any], bench: Benchmark) -> list[str]:
     """What else the JSON says beside its rows (recipes refused and why, a partial run), as bullets."""
     shown = {"benchmark", "environment", "rows", bench.table}
-    return [f"- {key}: {cell(value)}" for key, value in result.items() if key not in shown]
+    return [f"- {key}: {cell(value)}" for key, value in result.items()
+            if key not in shown and value not in (None, {}, [], "")]
 
 
 def result_text(stem: str, result: dict[str, Any], bench: Benchmark, several: bool) -> list[str]:
