@@ -447,8 +447,28 @@ def test_a_finite_fill_that_can_mask_a_whole_row_is_left_with_the_reason(pattern
     assert skip.reason.startswith(f"its mask fills masked scores with {fill}, not -inf, so on a row masked at every "
                                   f"position the model as written attends evenly to all of them, where "
                                   f"flex_attention attends to none"), skip.reason
-    assert why in skip.reason and skip.reason.endswith("Fill with float('-inf') (for a Hugging Face model: "
-                                                       "attn_implementation='sdpa', which xform rewrites exactly)")
+    assert why in skip.reason and skip.reason.endswith("Fill with float('-inf') (for a Hugging Face model that offers "
+                                                       "it: attn_implementation='sdpa', which xform rewrites exactly)")
+
+
+def sdpa_finite_key_padding(q, k, v, extra):
+    """An encoder's padding mask (keys only, no causal part) with a finite fill, given to SDPA."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.where(extra["keep"][:, None, None, :], 0.0, torch.finfo(q.dtype).min))
+
+
+def test_a_finite_key_padding_mask_given_to_sdpa_is_left_with_what_masks_a_row_and_the_fix_for_sdpa():
+    q, k, v, extra = inputs(requires_grad=False)
+    extra["keep"] = torch.ones(B, S, dtype=torch.bool)
+    extra["keep"][1, :5] = False
+    model = AsModule(sdpa_finite_key_padding)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    torch.testing.assert_close(out, sdpa_finite_key_padding(q, k, v, extra))
+    (skip,) = xform.report(model).skips("flex-attention")
+    assert "; it reads data at each key (node 'l_args_3_keep_' (test_attention.py:" in skip.reason, skip.reason
+    assert ("the same for every query, so a row is masked everywhere only where a whole sequence is (all padding), "
+            "which cannot be ruled out before the call; left as written to keep your model's results. Fill the mask "
+            "with float('-inf'), or pass SDPA a boolean mask (True: attend)") in skip.reason
 
 
 

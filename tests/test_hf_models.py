@@ -39,7 +39,8 @@ TIED = ("its weight is transformer.wte.weight, shared with transformer.wte (Embe
 FINITE_FILL = ("its mask fills masked scores with -3.403e+38, not -inf, so on a row masked at every position the "
                "model as written attends evenly to all of them, where flex_attention attends to none; it reads data (node '")
 FINITE_FILL_FIX = ("so a row may be (a left-padded one is); left as written to keep your model's results. Fill with "
-                   "float('-inf') (for a Hugging Face model: attn_implementation='sdpa', which xform rewrites exactly)")
+                   "float('-inf') (for a Hugging Face model that offers it: attn_implementation='sdpa', which xform rewrites "
+                   "exactly)")
 CONV1D = ("it is a Conv1D, not an nn.Linear: it computes torch.addmm with its weight, and only nn.Linear layers "
           "(F.linear calls) are changed; left as written. Replace it by an nn.Linear (its weight transposed) to "
           "change it")

@@ -199,7 +199,9 @@ def test_a_linear_subclass_with_a_forward_of_its_own_is_named_as_such(spec):
     (skip,) = xform.report(model).skips(transform)
     assert (skip.target, skip.reason) == ("1", "it is a OwnForwardLinear, a subclass of nn.Linear with a forward of its "
                                                "own, and only nn.Linear's own forward (F.linear) is changed; left as "
-                                               "written")
+                                               "written. Where its forward computes x @ weight.T + bias, replace it by "
+                                               "an nn.Linear holding the same weight and bias (or call F.linear in its "
+                                               "forward) to change it")
     assert type(model[1]) is OwnForwardLinear and type(model[1].weight) is nn.Parameter
 
 

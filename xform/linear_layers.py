@@ -195,7 +195,9 @@ def own_forward_refusal(layer: LinearLayer) -> str | None:
     if type(layer.module).forward is nn.Linear.forward:
         return None
     return (f"it is a {type(layer.module).__name__}, a subclass of nn.Linear with a forward of its own, and only "
-            f"nn.Linear's own forward (F.linear) is changed; left as written")
+            f"nn.Linear's own forward (F.linear) is changed; left as written. Where its forward computes "
+            f"x @ weight.T + bias, replace it by an nn.Linear holding the same weight and bias (or call "
+            f"F.linear in its forward) to change it")
 
 
 def other_reader_refusal(param: GraphParameter) -> str | None:

@@ -776,11 +776,19 @@ def _empty_row_refusal(site: AttentionSite) -> str | None:
         return None
     why = (f"its mask fills masked scores with {finite:.4g}, not -inf, so on a row masked at every position the "
            f"model as written attends evenly to all of them, where flex_attention attends to none")
-    fix = ("Fill with float('-inf') (for a Hugging Face model: attn_implementation='sdpa', which xform rewrites "
-           "exactly)") if site.softcap is None else (
-        "Fill with float('-inf') (for a Hugging Face model: attn_implementation='flex_attention', Hugging Face's own "
-        "flex_attention, which keeps the soft-cap; its 'sdpa' drops the soft-cap)")
+    if site.form == "SDPA":  # the model already calls SDPA: the mask it builds is what to change
+        fix = "Fill the mask with float('-inf'), or pass SDPA a boolean mask (True: attend)"
+    elif site.softcap is None:
+        fix = ("Fill with float('-inf') (for a Hugging Face model that offers it: attn_implementation='sdpa', which "
+               "xform rewrites exactly)")
+    else:
+        fix = ("Fill with float('-inf') (for a Hugging Face model: attn_implementation='flex_attention', Hugging "
+               "Face's own flex_attention, which keeps the soft-cap; its 'sdpa' drops the soft-cap)")
     data = next((n for t in site.masks for n in t.buffer_nodes), None)
+    if data is not None and not any("q" in t.positions_used for t in site.masks):
+        return (f"{why}; it reads data at each key ({_node_and_line(data)}), the same for every query, so a row is "
+                f"masked everywhere only where a whole sequence is (all padding), which cannot be ruled out before "
+                f"the call; left as written to keep your model's results. {fix}")
     if data is not None:
         return (f"{why}; it reads data ({_node_and_line(data)}), so a row may be (a left-padded one is); left as "
                 f"written to keep your model's results. {fix}")
