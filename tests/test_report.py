@@ -231,11 +231,33 @@ def test_the_report_of_a_model_holds_the_graphs_of_its_submodules_frames():
     model = Outer()
     xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 8))
 
-    layers = [c.target for c in xform.report(model).changes("cast") if c.kind == "layer"]
-    # the inner frames' records name layers from the submodule (their `self`)
-    assert layers == ["before", "first", "second"]
+    report = xform.report(model)
+    # the inner frames' `self` is the submodule: their layers are named by their path in the model reported on
+    assert [c.target for c in report.changes("cast") if c.kind == "layer"] == ["before", "inner.first", "inner.second"]
+    assert [g.code.endswith(", in inner") for g in report.graphs] == [False, True, True]
     assert [c.target for c in xform.report(model.inner).changes("cast") if c.kind == "layer"] == ["first", "second"]
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+class TwoBreakingLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([BreakInside(), BreakInside()])
+        self.head = OwnForwardLinear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_layers_of_frames_that_share_code_are_told_apart_by_their_path_skips_too():
+    model = TwoBreakingLayers()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 8))
+    report = xform.report(model)
+    assert sorted(c.target for c in report.changes("cast") if c.kind == "layer") == [
+        "layers.0.first", "layers.0.second", "layers.1.first", "layers.1.second"]
+    assert [s.target for s in report.skips("cast")] == ["head"]
 
 
 def test_graph_breaks_give_one_record_per_graph():

@@ -12,7 +12,7 @@ import itertools
 import textwrap
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from torch import nn
@@ -201,11 +201,16 @@ class _Registry:
 
     def get(self, *roots: nn.Module | types.CodeType) -> list[GraphRecord]:
         """The records filed under any of `roots`, each once, in the order they were compiled."""
-        found: dict[int, tuple[int, GraphRecord]] = {}
+        return [record for _, record in self.get_with_roots(*roots)]
+
+    def get_with_roots(self, *roots: nn.Module | types.CodeType) -> list[tuple[Any, GraphRecord]]:
+        """(the first of `roots` it was filed under, record) for the records `get` returns."""
+        found: dict[int, tuple[int, Any, GraphRecord]] = {}
         for root in roots:
             table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
-            found.update((id(record), (order, record)) for order, record in table.get(root, []))
-        return [record for _, record in sorted(found.values(), key=lambda item: item[0])]
+            for order, record in table.get(root, []):
+                found.setdefault(id(record), (order, root, record))
+        return [(root, record) for _, root, record in sorted(found.values(), key=lambda item: item[0])]
 
 
 records = _Registry()
@@ -220,7 +225,9 @@ def report(compiled: Callable[..., Any] | nn.Module) -> Report:
     """
     target: Any = getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
     if isinstance(target, nn.Module):  # with its submodules': a graph break leaves frames whose `self` is one
-        return Report(records.get(*target.modules()))
+        paths = {id(module): name for name, module in target.named_modules(remove_duplicate=False)}
+        return Report([_from_model(record, root, paths[id(root)]) for root, record in
+                       records.get_with_roots(*target.modules())])
     code = getattr(target, "__code__", None)
     if code is None:
         raise TypeError(
@@ -228,3 +235,22 @@ def report(compiled: Callable[..., Any] | nn.Module) -> Report:
             f"torch.compile; got {type(compiled).__name__}"
         )
     return Report(records.get(code))
+
+
+def _from_model(record: GraphRecord, root: nn.Module, path: str) -> GraphRecord:
+    """`record` of a frame whose `self` is the submodule `root`, at `path` in the model reported on
+    (a graph break leaves such frames): its layer names, relative to `root`, made the model's, so
+    that a layer of one decoder layer is not told from the same layer of another by its name alone."""
+    if not path:
+        return record
+
+    def named(target: str) -> str:
+        try:
+            root.get_submodule(target)
+        except AttributeError:  # not a module path: an attention's node, a region
+            return target
+        return f"{path}.{target}" if target else path  # "": the frame's `self` itself
+
+    transforms = [replace(t, changes=[replace(c, target=named(c.target)) for c in t.changes],
+                          skips=[replace(s, target=named(s.target)) for s in t.skips]) for t in record.transforms]
+    return replace(record, code=f"{record.code}, in {path}", transforms=transforms)
