@@ -29,7 +29,18 @@ def softcap(q, k, v, ids):
     return F.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-@pytest.mark.parametrize("pattern", [causal, document, softcap], ids=lambda p: p.__name__)
+def float_mask(q, k, v, ids):
+    """A 4-D float mask filled with finfo.min as Hugging Face builds one (causal, the second sequence
+    right-padded: no row masked everywhere), given to SDPA: a bias read per key, raised to -1e30
+    where lower inside the score_mod (a `where` the Flash backend must compile)."""
+    pos = torch.arange(q.shape[-2], device=q.device)
+    allowed = (pos[:, None] >= pos[None, :]).expand(q.shape[0], 1, -1, -1).clone()
+    allowed[1, :, :, 200:] = False
+    mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("pattern", [causal, document, softcap, float_mask], ids=lambda p: p.__name__)
 def test_gpu_rewrite_matches_the_model_as_written_forward_and_backward(pattern):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
