@@ -22,11 +22,18 @@ All of it takes longer than one device call may run (10 minutes): split it over 
 with --only (--timeout ends a benchmark that would overrun; every script writes its JSON after
 each configuration, so what ran before the end is kept) and render each call's results folder in
 turn: a benchmark with nothing in the folder rendered keeps the section of the run that measured
-it, and each section says when that was. Measured on the H200 (2026-12-03): quantize_ffn 233 s, attention 167 s (after
-FlashAttention-4's two-call install), quantize_block over 170 s, cudagraphs_memory about 200 s,
+it, and each section says when that was.
+
+Measured on the H200 (2026-12-03): quantize_ffn 233 s, attention 167 s (after FlashAttention-4's
+two-call install), quantize_block over 170 s, cudagraphs_memory about 200 s,
 decode about 34 s a configuration (10 in each decode benchmark), compile_overhead 297 s on the
-2-core CPU. So: one call for quantize_ffn + attention, one for quantize_block + cudagraphs_memory,
-one per decode benchmark. The peers need their wheels carried in (`../shared/device/fetch-wheels.sh
+2-core CPU. On the H100 (2026-12-05): attention 154 s, attention + quantize_ffn 279 s together,
+quantize_block 141 s, cudagraphs_memory 133 s, decode with syncs 268 s, decode as written past
+285 s (8 of its 10 configurations). So: one call for quantize_ffn + attention, one for
+quantize_block + cudagraphs_memory, one per decode benchmark (`--timeout 500`: a decode benchmark
+needs about 300 s). FlashAttention-4's CuTeDSL on the path (for attention) makes torchao 0.17's
+float8-blockwise and mxfp8 fail to import (`cutlass.base_dsl._mlir_helpers`): run quantize_ffn in
+a call without it to measure those. The peers need their wheels carried in (`../shared/device/fetch-wheels.sh
 base thunder`: torchao, lightning-thunder); a peer that does not import is recorded as
 "skipped: <reason>" and the rest runs.
 
