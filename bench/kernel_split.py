@@ -22,7 +22,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quantize  # noqa: E402
 from common import inductor_option, print_table, release_compiled, write_result  # noqa: E402
 
 GEMM_MARKS = ("nvjet", "gemm", "cutlass", "sm90_xmma")
@@ -74,6 +73,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=0, help="also list each configuration's N costliest kernels")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    import quantize  # here, not at the top: its `models` is bench's, which a test process may hold as tests'
+
     quantize.TUNED.update(inductor_option(o) for o in args.inductor_option)
     rows = []
     for config in args.configs.split(","):
