@@ -482,12 +482,20 @@ def _padded_float_mask(fill: float) -> torch.Tensor:
     return torch.zeros(B, 1, S, S).masked_fill(~allowed, fill)
 
 
+def _query_padding_mask(fill: float) -> torch.Tensor:
+    """A float mask over queries only ([B, 1, S, 1]): sequence 1's rows 0-4 masked everywhere."""
+    allowed = torch.ones(B, 1, S, 1, dtype=torch.bool)
+    allowed[1, :, :5] = False
+    return torch.zeros(B, 1, S, 1).masked_fill(~allowed, fill)
+
+
+@pytest.mark.parametrize("mask", [_padded_float_mask, _query_padding_mask], ids=["4-D", "per-query"])
 @pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")], ids=["finfo.min", "-inf"])
-def test_sdpa_given_a_float_mask_with_rows_masked_everywhere_keeps_its_outputs_and_gradients(fill):
+def test_sdpa_given_a_float_mask_with_rows_masked_everywhere_keeps_its_outputs_and_gradients(fill, mask):
     """The float mask is an additive bias. On the rows it masks everywhere, flex's backward overflowed
     on finfo.min and gave gradients unlike SDPA's (1 dB); raised to -1e30 it gives SDPA's."""
     q, k, v, extra = inputs(requires_grad=True)
-    extra["dense"] = _padded_float_mask(fill)
+    extra["dense"] = mask(fill)
     out = xform.compile(sdpa_dense_mask, "flex-attention", handoff="eager")(q, k, v, extra)
     expected = sdpa_dense_mask(q, k, v, extra)
     assert changes(sdpa_dense_mask)[-1].startswith("SDPA -> flex_attention (additive bias")
@@ -514,7 +522,7 @@ def test_hand_written_attention_adding_a_float_mask_it_is_given_is_left_in_train
         assert [c.detail for c in report.changes("flex-attention")][0].startswith("-> flex_attention (additive bias")
         return
     (skip,) = report.skips("flex-attention")
-    assert skip.reason.startswith("it adds to the scores a tensor it reads per key (node '"), skip.reason
+    assert skip.reason.startswith("it adds to the scores a tensor it reads per query or key (node '"), skip.reason
     assert ("which may be a float mask filled with finfo.min (as Hugging Face builds one); on a row such a mask masks "
             "everywhere (left padding) the model as written has gradients flex_attention's backward cannot give, so it "
             "is left as written in training (rewritten at inference)") in skip.reason

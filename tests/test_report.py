@@ -314,3 +314,33 @@ def test_report_of_a_module_without_parameters():
     q = torch.randn(1, 2, 8, 4)
     xform.compile(model, "flex-attention", handoff="eager")(q, q, q)
     assert len(xform.report(model).changes("flex-attention")) == 1
+
+
+def test_a_module_shared_at_several_paths_is_named_by_its_first():
+    block = BreakInside()
+    model = nn.Sequential(block, block)
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 8))
+    assert sorted({c.target for c in xform.report(model).changes("cast") if c.kind == "layer"}) == [
+        "0.first", "0.second"]
+
+
+class NamesParts(xform.Transform):
+    """Records a parameter change and skip, and a target that is no part of the module, per graph."""
+
+    name = "names-parts"
+
+    def transform_graph(self, graph, record):
+        record.changed("parameter", "first.weight")
+        record.changed("region", "graph")
+        record.skipped("first.bias", "a reason")
+        record.skipped("region 0 (3 ops)", "another")
+
+
+def test_parameter_names_of_a_submodules_frame_are_the_models_and_other_targets_stay():
+    model = Outer()
+    model.inner.graph = nn.Identity()  # a submodule named like the region target: it is no layer path
+    xform.compile(model, NamesParts(), handoff="eager")(torch.randn(2, 8))
+    inner = [g for g in xform.report(model).graphs if g.code.endswith(", in inner")]
+    assert inner and all([(c.kind, c.target) for c in g.transforms[0].changes] ==
+                         [("parameter", "inner.first.weight"), ("region", "graph")] for g in inner)
+    assert all([s.target for s in g.transforms[0].skips] == ["inner.first.bias", "region 0 (3 ops)"] for g in inner)

@@ -282,3 +282,17 @@ def test_sections_of_the_older_format_are_kept_with_the_block_date():
     assert sections["CUDA graphs: memory"] == ("### CUDA graphs: memory\n\nRun on 2026-12-03 16:21 UTC, results in "
                                                "`/tmp/allres`.\nStatus: ran.\n\n| a |\n")
     assert list(sections) == ["CUDA graphs: memory", "Other"]
+
+
+def test_a_section_is_dated_by_when_its_results_were_measured_not_rendered(tmp_path):
+    doc, out = _doc(tmp_path), tmp_path / "results"
+    quantize, attention = (next(b for b in run_all.BENCHMARKS if b.name == n) for n in ("quantize_ffn", "attention"))
+    _write(out / "quantize_ffn.json", QUANTIZE_RESULT)  # no record: dated by its file
+    when = 1764778860  # 2025-12-03 16:21 UTC
+    os.utime(out / "quantize_ffn.json", (when, when))
+    _write(out / "attention.json", {"environment": {}, "rows": [{"seq": 1024}]})
+    _write(out / "run_all" / "attention.json", {"status": "ran", "commands": [], "finished": "2026-12-05 07:40 UTC"})
+    run_all.render([quantize, attention], out, doc, doc.parent / "charts")
+    sections = run_all.earlier_sections(doc.read_text())
+    assert f"{run_all.RAN_ON} 2025-12-03 16:21 UTC, results in `{out}`." in sections[quantize.title]
+    assert f"{run_all.RAN_ON} 2026-12-05 07:40 UTC, results in `{out}`." in sections[attention.title]

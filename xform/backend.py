@@ -25,7 +25,7 @@ from xform.captured import CapturedGraph
 from xform.dynamo_frame import DynamoFrame
 from xform.handoff import make_handoff
 from xform.log import logger
-from xform.pipeline import Pipeline
+from xform.pipeline import DYNAMO_SIGNALS, Pipeline
 from xform.report import GraphRecord, records
 from xform.transform import Transform
 
@@ -98,7 +98,11 @@ class Backend:
         _register(record, graph)
         logger.info("graph %s (%s): %d nodes, transforms %s", record.graph, record.code,
                     record.nodes_before, [t.name for t in self.transforms])
-        compiled = self.pipeline.run(make_graph, record)
+        try:
+            compiled = self.pipeline.run(make_graph, record)
+        except DYNAMO_SIGNALS:
+            records.remove(record)  # Dynamo retraces or breaks this graph: nothing the record says ran
+            raise
         record.xform_seconds = time.perf_counter() - start - record.handoff_seconds
         return compiled
 

@@ -25,13 +25,13 @@ from xform.report import GraphRecord, TransformRecord
 from xform.transform import Transform
 
 
-# raised by Dynamo from inside a backend to restart or skip its analysis (a float read on the host
-# becoming a tensor, say): they must reach Dynamo as they are, not as a transform's or handoff's failure
-DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame)
-# raised by a handoff's compile where Dynamo, given them as they are, breaks the graph there and goes on
-# (an op whose output depends on data under AOTAutograd's fake tensors, as a Mixture-of-Experts router's
-# is): wrapped, they failed the whole compile where torch.compile(backend="inductor") runs
-HANDOFF_FALLBACKS = (*DYNAMO_SIGNALS, *exceptions_allowed_to_be_fallback)
+# what Dynamo answers itself when a backend raises it, so it must reach Dynamo as it is, not as a
+# transform's or handoff's failure: its signals to restart or skip the analysis (a float read on the
+# host becoming a tensor, say), and the exceptions it breaks the graph on (an op whose output depends
+# on data under AOTAutograd's fake tensors, as a Mixture-of-Experts router's: wrapped, the whole
+# compile failed where torch.compile(backend="inductor") runs). Also from a transform that compiles
+# the graph itself (cudagraphs' compile_graph calls the handoff).
+DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame, *exceptions_allowed_to_be_fallback)
 
 PARAMETERS_NOT_INPUTS = (
     "the graph reads them as attributes of the graph module, not as inputs (a graph traced outside "
@@ -147,7 +147,7 @@ class Pipeline:
                     compiled = t.compile_graph(graph, partial(self.handoff.compile, aot_hook=aot_hook), records[t.name])
             if compiled is None:
                 compiled = self.handoff.compile(graph.gm, graph.example_inputs, aot_hook)
-        except HANDOFF_FALLBACKS as error:
+        except DYNAMO_SIGNALS as error:
             logger.info("graph %s: handoff %r raised %s, which Dynamo answers with a graph break",
                         record.graph, self.handoff.name, type(error).__name__)
             raise

@@ -199,6 +199,12 @@ class _Registry:
         table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
         table.setdefault(root, []).append((next(self._added), record))
 
+    def remove(self, record: GraphRecord) -> None:
+        """Unfile `record` everywhere: its graph was not compiled (Dynamo retraces or breaks it)."""
+        for table in (self._by_module, self._by_code):
+            for root in list(table.keys()):
+                table[root] = [(order, r) for order, r in table[root] if r is not record]
+
     def get(self, *roots: nn.Module | types.CodeType) -> list[GraphRecord]:
         """The records filed under any of `roots`, each once, in the order they were compiled."""
         return [record for _, record in self.get_with_roots(*roots)]
@@ -225,7 +231,7 @@ def report(compiled: Callable[..., Any] | nn.Module) -> Report:
     """
     target: Any = getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
     if isinstance(target, nn.Module):  # with its submodules': a graph break leaves frames whose `self` is one
-        paths = {id(module): name for name, module in target.named_modules(remove_duplicate=False)}
+        paths = {id(module): name for name, module in target.named_modules()}  # a shared module: its first path
         return Report([_from_model(record, root, paths[id(root)]) for root, record in
                        records.get_with_roots(*target.modules())])
     code = getattr(target, "__code__", None)
@@ -239,18 +245,27 @@ def report(compiled: Callable[..., Any] | nn.Module) -> Report:
 
 def _from_model(record: GraphRecord, root: nn.Module, path: str) -> GraphRecord:
     """`record` of a frame whose `self` is the submodule `root`, at `path` in the model reported on
-    (a graph break leaves such frames): its layer names, relative to `root`, made the model's, so
-    that a layer of one decoder layer is not told from the same layer of another by its name alone."""
+    (a graph break leaves such frames): its layer and parameter names, relative to `root`, made the
+    model's, so that a layer of one decoder layer is not told from the same layer of another by its
+    name alone. Other targets (an attention's node, a region) are left as they are; a skip carries no
+    kind, so its target is taken for a layer or parameter where it names one of `root`."""
     if not path:
         return record
 
-    def named(target: str) -> str:
-        try:
-            root.get_submodule(target)
-        except AttributeError:  # not a module path: an attention's node, a region
-            return target
+    def prefixed(target: str) -> str:
         return f"{path}.{target}" if target else path  # "": the frame's `self` itself
 
-    transforms = [replace(t, changes=[replace(c, target=named(c.target)) for c in t.changes],
-                          skips=[replace(s, target=named(s.target)) for s in t.skips]) for t in record.transforms]
+    def names_a_part(target: str) -> bool:  # skips carry no kind: a layer or parameter path of `root`
+        for lookup in (root.get_submodule, root.get_parameter):
+            try:
+                lookup(target)
+                return True
+            except Exception:  # AttributeError; anything a module's property raises is no path either
+                continue
+        return False
+
+    transforms = [replace(
+        t, changes=[replace(c, target=prefixed(c.target)) if c.kind in ("layer", "parameter") else c for c in t.changes],
+        skips=[replace(s, target=prefixed(s.target)) if names_a_part(s.target) else s for s in t.skips])
+        for t in record.transforms]
     return replace(record, code=f"{record.code}, in {path}", transforms=transforms)
