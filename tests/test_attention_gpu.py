@@ -29,6 +29,15 @@ def softcap(q, k, v, ids):
     return F.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+def assert_matches_forward_and_backward(out: torch.Tensor, expected: torch.Tensor, inputs: tuple) -> None:
+    """Outputs, and the gradients of q, k, v, within bf16's tolerances."""
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), inputs)
+    expected_grads = torch.autograd.grad(expected.float().sum(), inputs)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize("pattern", [causal, document, softcap], ids=lambda p: p.__name__)
 def test_gpu_rewrite_matches_the_model_as_written_forward_and_backward(pattern):
     torch.manual_seed(0)
@@ -36,11 +45,7 @@ def test_gpu_rewrite_matches_the_model_as_written_forward_and_backward(pattern):
     ids = (torch.arange(256, device="cuda") // 64).expand(2, 256).contiguous()
     out = xform.compile(pattern, "flex-attention")(q, k, v, ids)
     expected = pattern(q, k, v, ids)
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v))
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    assert_matches_forward_and_backward(out, expected, (q, k, v))
     (change,) = xform.report(pattern).changes("flex-attention")
     assert "; flash; " in change.detail or "; triton, not Flash: " in change.detail
 
@@ -81,10 +86,6 @@ def test_gpu_sdpa_given_a_float_mask_filled_with_finfo_min(backend):
         ~allowed, torch.finfo(torch.bfloat16).min)
     out = xform.compile(sdpa_with_mask, f"flex-attention:{backend}")(q, k, v, mask)
     expected = sdpa_with_mask(q, k, v, mask)
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v))
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    assert_matches_forward_and_backward(out, expected, (q, k, v))
     change = xform.report(sdpa_with_mask).changes("flex-attention")[-1]
     assert change.detail.startswith("-> flex_attention (additive bias; "), change.detail
