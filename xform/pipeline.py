@@ -148,8 +148,8 @@ class Pipeline:
             if compiled is None:
                 compiled = self.handoff.compile(graph.gm, graph.example_inputs, aot_hook)
         except DYNAMO_SIGNALS as error:
-            logger.info("graph %s: handoff %r raised %s, which Dynamo answers with a graph break",
-                        record.graph, self.handoff.name, type(error).__name__)
+            logger.info("graph %s: handoff %r raised %s, which Dynamo handles itself (a restart or a graph "
+                        "break)", record.graph, self.handoff.name, type(error).__name__)
             raise
         except Exception as error:
             if transform_failure(error) is not None:

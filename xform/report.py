@@ -264,8 +264,9 @@ def _from_model(record: GraphRecord, root: nn.Module, path: str) -> GraphRecord:
                 continue
         return False
 
-    transforms = [replace(
-        t, changes=[replace(c, target=prefixed(c.target)) if c.kind in ("layer", "parameter") else c for c in t.changes],
-        skips=[replace(s, target=prefixed(s.target)) if names_a_part(s.target) else s for s in t.skips])
-        for t in record.transforms]
+    transforms = [replace(t, changes=[replace(c, target=prefixed(c.target)) if c.kind in ("layer", "parameter")
+                                      else c for c in t.changes],
+                          skips=[replace(s, target=prefixed(s.target)) if names_a_part(s.target) else s
+                                 for s in t.skips])
+                  for t in record.transforms]
     return replace(record, code=f"{record.code}, in {path}", transforms=transforms)

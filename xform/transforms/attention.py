@@ -98,9 +98,9 @@ class Term:
         return self.program is not None and any({"q", "kv"} & set(labels) for _, labels in self.program.buffer_reads())
 
     def bias(self, b: Any, h: Any, q: Any, kv: Any, *buffers: torch.Tensor) -> torch.Tensor:
-        """The bias; where it reads a tensor per query or key, finite values below BIAS_FLOOR raised to it. Such
-        a tensor is often a float mask filled with finfo.min, a score on which flex's backward
-        overflows: a row masked everywhere (left padding) got gradients unlike SDPA's. Raised, flex
+        """The bias; where it reads a tensor per query or key, finite values below BIAS_FLOOR raised
+        to it. Such a tensor is often a float mask filled with finfo.min, a score on which flex's
+        backward overflows: a row masked everywhere (left padding) got gradients unlike SDPA's. Raised, flex
         gives SDPA's gradients there (both recompute the probabilities from the log-sum-exp, which
         a fill this low swamps) and the same outputs (beside any unmasked score either value's exp
         is 0, and a row of nothing else is still even); the gradient of the bias tensor itself at
@@ -810,20 +810,22 @@ def _fixed(size: int | torch.SymInt) -> int | torch.SymInt:
 
 
 def _gradient_refusal(site: AttentionSite) -> str | None:
-    """Why a hand-written attention adding a tensor it reads per query or key is left in training: that
-    tensor may be a float mask filled with finfo.min, and on a row it masks everywhere (left padding) the
-    model as written has exact softmax gradients, which flex's backward cannot give (it recomputes
-    the probabilities from a log-sum-exp that such a fill swamps). SDPA recomputes as flex does, so
-    an SDPA call is rewritten; at inference the outputs are the same, so this one is too."""
+    """Why a hand-written attention adding a tensor it reads per query or key is left in training:
+    that tensor may be a float mask filled with finfo.min, and on a row it masks everywhere (left
+    padding) the model as written has exact softmax gradients, which flex's backward cannot give
+    (it recomputes the probabilities from a log-sum-exp that such a fill swamps). SDPA recomputes
+    as flex does, so an SDPA call is rewritten; at inference the outputs are the same, so this one
+    is too."""
     data = next((n for t in site.biases if t.reads_per_position for n in t.buffer_nodes), None)
     if site.form != "hand-written" or data is None or not any(
             example_value(n).requires_grad for n in (site.q, site.k, site.v)):
         return None
     return (f"it adds to the scores a tensor it reads per query or key ({_node_and_line(data)}), which may be a "
             f"float mask filled with finfo.min (as Hugging Face builds one); on a row such a mask masks everywhere "
-            f"(left padding) the model as written has gradients flex_attention's backward cannot give, so it is left as written in "
-            f"training (rewritten at inference). Pass a boolean mask and mask with masked_fill(~mask, float('-inf')) "
-            f"(for a Hugging Face model: attn_implementation='sdpa', which xform rewrites)")
+            f"(left padding) the model as written has gradients flex_attention's backward cannot give, so it is "
+            f"left as written in training (rewritten at inference). Pass a boolean mask and mask with "
+            f"masked_fill(~mask, float('-inf')) (for a Hugging Face model: attn_implementation='sdpa', which xform "
+            f"rewrites)")
 
 
 def _shape_refusal(site: AttentionSite) -> str | None:
