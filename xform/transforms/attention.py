@@ -422,11 +422,14 @@ def _static_mask_name(terms: list[Term], q_len: int, kv_len: int) -> str:
 
 
 def _all_allowed(terms: list[Term], b: Any, h: Any, q: Any, kv: Any, *buffers: torch.Tensor) -> torch.Tensor:
-    """The AND of the masks (True where all attend), each reading its slice of `buffers`."""
-    allowed = q >= 0
+    """The AND of the masks (True where all attend), each reading its slice of `buffers`; True everywhere
+    with none. Seeded with the first mask, not a constant: the mask_mod runs per element of every
+    partial block, so an operation more is a cost in the kernel."""
+    allowed = None
     for term, own in _split(terms, buffers):
-        allowed = allowed & term.allowed(b, h, q, kv, *own)
-    return allowed
+        mask = term.allowed(b, h, q, kv, *own)
+        allowed = mask if allowed is None else allowed & mask
+    return q >= 0 if allowed is None else allowed
 
 
 def _split(terms: list[Term], buffers: tuple) -> list[tuple[Term, tuple]]:
