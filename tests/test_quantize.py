@@ -13,6 +13,7 @@ from torch import nn
 
 import xform
 from xform.transforms import RECIPES, Quantize, QuantizeUnsupported
+from xform.split_amax import SplitAmaxPairs
 
 # recipe -> (handoff it is tested with on CPU, min output SQNR dB, min gradient SQNR dB)
 # Thresholds sit a few dB under what torch 2.13 / torchao 0.18 and torch 2.11 / torchao 0.17 measure.
@@ -329,16 +330,20 @@ def test_torchao_inference_settings_reach_the_quantized_graphs_only():
     assert xform.Backend(["quantize:float8-rowwise-gw-hp"]).pipeline.handoff.config_patches is None
 
 
-def test_rowwise_training_asks_inductor_for_two_dimensional_tiling_of_its_backends_graphs_only():
+def test_rowwise_training_asks_inductor_for_its_settings_for_its_backends_graphs_only():
     # the row-wise gradient scales reduce over the strided dimension; nd tiling made the H200's FFN
-    # step 1.18x bf16 where Inductor's default gave 1.02x (docs/benchmarks.md)
+    # step 1.18x bf16 where Inductor's default gave 1.02x (docs/benchmarks.md); the amax pass keeps
+    # the transposed casts out of the row reductions' kernels (tests/test_split_amax.py)
     import torch._inductor.config as inductor_config
 
     before = inductor_config.triton.prefer_nd_tiling
-    assert xform.Backend(["quantize:float8-rowwise"]).pipeline.handoff.config_patches == {"triton.prefer_nd_tiling": True}
+    patches = xform.Backend(["quantize:float8-rowwise"]).pipeline.handoff.config_patches
+    assert patches.keys() == {"triton.prefer_nd_tiling", "post_grad_custom_post_pass"}
+    assert patches["triton.prefer_nd_tiling"] is True and isinstance(patches["post_grad_custom_post_pass"], SplitAmaxPairs)
     assert xform.Backend(["quantize:float8-tensorwise"]).pipeline.handoff.config_patches is None
-    user = xform.Backend(["quantize:float8-rowwise"], inductor_options={"triton.prefer_nd_tiling": False})
-    assert user.pipeline.handoff.config_patches == {"triton.prefer_nd_tiling": False}
+    user = xform.Backend(["quantize:float8-rowwise"],
+                         inductor_options={"triton.prefer_nd_tiling": False, "post_grad_custom_post_pass": None})
+    assert user.pipeline.handoff.config_patches == {"triton.prefer_nd_tiling": False, "post_grad_custom_post_pass": None}
     assert inductor_config.triton.prefer_nd_tiling == before
 
 

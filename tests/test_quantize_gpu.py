@@ -78,3 +78,38 @@ def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db):
     report = xform.report(composed_model)
     assert report.changes("flex-attention") and report.changes("cudagraphs")
     assert not report.failures()
+
+
+def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_changes_no_gradient():
+    """xform/split_amax.py on the pattern it is for: a SwiGLU trained in float8-rowwise, whose backward
+    reduces both gradients of the SwiGLU by rows and by columns; bit-identical gradients without it."""
+    import xform.split_amax as split_amax
+
+    torch.manual_seed(0)
+
+    class SwiGLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w3 = nn.Linear(512, 2048, bias=False), nn.Linear(512, 2048, bias=False)
+            self.w2 = nn.Linear(2048, 512, bias=False)
+
+        def forward(self, x):
+            return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+    reference = SwiGLU().cuda().bfloat16()
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    rewritten, grads = [], []
+
+    class Counting(split_amax.SplitAmaxPairs):
+        def __call__(self, graph):
+            rewritten.append(split_amax.split_amax_pairs(graph))
+
+    for amax_pass in (Counting(), None):
+        model = copy.deepcopy(reference)
+        with torch._inductor.config.patch(force_disable_caches=True):
+            xform.compile(model, "quantize:float8-rowwise",
+                          inductor_options={"post_grad_custom_post_pass": amax_pass})(x).float().square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert sum(rewritten) == 4  # the row and column amaxes of both SwiGLU gradients
+    for with_pass, without in zip(*grads):
+        assert torch.equal(with_pass, without)

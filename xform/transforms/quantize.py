@@ -46,6 +46,7 @@ from xform.linear_layers import (
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.selection import LayerFilter, layer_selector
+from xform.split_amax import SplitAmaxPairs
 from xform.transform import Transform, option_error
 
 
@@ -138,7 +139,9 @@ def _float8_training(recipe_name: str, recipe: str) -> Callable[[Device, str], P
 # two dimensions makes it coalesced. On the H200 (docs/benchmarks.md) this took the FFN's
 # float8-rowwise training step from 12.6 to 10.9 ms (bf16: 12.8-13.0 ms); the same setting gave
 # nothing to tensorwise or rowwise-gw-hp, whose casts have no such reduction, so it is this recipe's alone.
-ROWWISE_INDUCTOR = {"triton.prefer_nd_tiling": True}
+# The gradients' row and column amaxes are also reduced in two stages (xform/split_amax.py), so that
+# their casts, one of them transposed, are not fused into the row reduction's kernel.
+ROWWISE_INDUCTOR = {"triton.prefer_nd_tiling": True, "post_grad_custom_post_pass": SplitAmaxPairs()}
 
 
 def _to_float8_linear(linear: nn.Linear, config: Any) -> nn.Module:
