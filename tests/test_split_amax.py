@@ -59,6 +59,11 @@ def test_a_tensor_reduced_one_way_only_is_left():
     assert split_amax_pairs(gm.graph) == 0
 
 
+def test_a_tensor_of_dynamic_size_is_left():
+    gm = make_fx(scales, tracing_mode="symbolic")(torch.randn(2048, 1024), torch.randn(2048, 1024))
+    assert split_amax_pairs(gm.graph) == 0
+
+
 def test_the_pass_is_cached_by_its_source():
     assert SplitAmaxPairs().uuid() == SplitAmaxPairs().uuid()
 

@@ -32,7 +32,7 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten.permute.default, aten.t.
 
 
 def split_amax_pairs(graph: fx.Graph) -> int:
-    """Rewrite, in place, every `amax(abs(x), [d], keepdim=True)` of a 2-D contiguous tensor `x` that
+    """Rewrite, in place, every `amax(abs(x), [d], keepdim=True)` of a 2-D contiguous static-shaped `x` that
     the graph computes and also reduces along its other dimension, over at least MIN_REDUCED elements
     in multiples of CHUNK, into two amaxes. Returns how many were rewritten."""
     by_tensor: dict[fx.Node, list[tuple[fx.Node, int]]] = {}
@@ -43,7 +43,8 @@ def split_amax_pairs(graph: fx.Graph) -> int:
     count = 0
     for x, amaxes in by_tensor.items():
         value = x.meta["val"]
-        if {dim for _, dim in amaxes} != {0, 1} or _source(x).op == "placeholder" or not value.is_contiguous():
+        if {dim for _, dim in amaxes} != {0, 1} or _source(x).op == "placeholder" or not value.is_contiguous() \
+                or not all(isinstance(size, int) for size in value.shape):  # dynamic sizes: left as they are
             continue
         for node, dim in amaxes:
             if value.shape[dim] >= MIN_REDUCED and value.shape[dim] % CHUNK == 0:
