@@ -83,7 +83,7 @@ def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db):
 def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_changes_no_gradient():
     """xform/split_amax.py on the pattern it is for: a SwiGLU trained in float8-rowwise, whose backward
     reduces both gradients of the SwiGLU by rows and by columns; bit-identical gradients without it."""
-    import xform.split_amax as split_amax
+    from test_split_amax import CountingPass
 
     torch.manual_seed(0)
 
@@ -98,18 +98,13 @@ def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_changes_no_gradient(
 
     reference = SwiGLU().cuda().bfloat16()
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
-    rewritten, grads = [], []
-
-    class Counting(split_amax.SplitAmaxPairs):
-        def __call__(self, graph):
-            rewritten.append(split_amax.split_amax_pairs(graph))
-
-    for amax_pass in (Counting(), None):
+    counting, grads = CountingPass(), []
+    for amax_pass in (counting, None):
         model = copy.deepcopy(reference)
         with torch._inductor.config.patch(force_disable_caches=True):
             xform.compile(model, "quantize:float8-rowwise",
                           inductor_options={"post_grad_custom_post_pass": amax_pass})(x).float().square().mean().backward()
         grads.append([p.grad for p in model.parameters()])
-    assert sum(rewritten) == 4  # the row and column amaxes of both SwiGLU gradients
+    assert sum(counting.rewritten) == 4  # the row and column amaxes of both SwiGLU gradients
     for with_pass, without in zip(*grads):
         assert torch.equal(with_pass, without)
