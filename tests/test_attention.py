@@ -664,3 +664,44 @@ def test_auto_on_a_gpu_without_flash_says_why_it_took_triton():
     assert FlexAttention("triton")._backend_for(site) == ("triton", None)  # asked for: nothing to explain
     with pytest.raises(ValueError, match=r"backend='flash' cannot run SDPA at node 'q': FlashAttention-4 "):
         FlexAttention("flash")._backend_for(site)
+
+
+def sdpa_with_mask(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _sdpa_sites(fn, *args) -> list:
+    """The SDPA sites Dynamo's graph of `fn(*args)` holds, as the transform finds them."""
+    from xform.transforms.attention import match_sdpa
+
+    sites: list = []
+
+    def collect(gm, example_inputs):
+        sites.extend(site for node in gm.graph.nodes if (site := match_sdpa(node)) is not None)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=collect)(*args)
+    return sites
+
+
+def test_flash_is_not_taken_for_tensors_its_mods_read_wrong():
+    # measured on the H100: a float mask added per query and key gave NaN with Flash, and a tensor read
+    # along a broadcast dim (Hugging Face's [B, 1, Q, KV]) did not compile: auto takes Triton, and says why
+    from xform.transforms.attention import _flash_unsafe_read
+
+    q = torch.randn(2, 4, 64, 16)
+    for bias in (torch.zeros(2, 1, 64, 64), torch.zeros(2, 4, 64, 64)):
+        (site,) = _sdpa_sites(sdpa_with_mask, q, q, q, bias)
+        why = _flash_unsafe_read(site)
+        assert why.startswith("its bias reads node '") and "per query or key, which Flash's score_mod computed " \
+            "wrong (NaN outputs on the H100" in why and why.endswith("Triton's is right")
+    (site,) = _sdpa_sites(sdpa_with_mask, q, q, q, torch.ones(2, 1, 64, 64, dtype=torch.bool))
+    why = _flash_unsafe_read(site)
+    assert why.startswith("its mask reads node '") and "of shape [2, 1, 64, 64], along a broadcast dim of size 1, " \
+        "which Inductor's Flash lowering of the mods cannot index" in why
+    (site,) = _sdpa_sites(sdpa_with_mask, q, q, q, torch.zeros(1, 4, 1, 1))  # per-head, broadcast over positions
+    assert _flash_unsafe_read(site).startswith("its bias reads node '")
+    assert "of shape [1, 4, 1, 1], along a broadcast dim" in _flash_unsafe_read(site)
+    (site,) = _sdpa_sites(sdpa_with_mask, q, q, q, torch.ones(64, 64, dtype=torch.bool))
+    assert _flash_unsafe_read(site) is None  # right-aligned [Q, KV]: nothing broadcast

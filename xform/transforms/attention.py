@@ -879,6 +879,28 @@ def _flash_missing(site: AttentionSite) -> str | None:
         return f"it takes head dims 8 to 256, this is {q.shape[-1]}"
     if any(example_value(n).requires_grad for t in site.biases for n in t.buffer_nodes):
         return "its backward takes no gradient for tensors a score_mod reads (a learned bias)"
+    return _flash_unsafe_read(site)
+
+
+def _flash_unsafe_read(site: AttentionSite) -> str | None:
+    """Why Flash cannot take a tensor the mods read, or None. Measured on the H100 (torch 2.11,
+    FlashAttention-4 4.0.0b36, 2026-12-05): a score_mod adding a float mask read per query and key
+    ([B, H, Q, KV], filled with finfo.min) gave NaN outputs; one read along a broadcast dim (Hugging
+    Face's [B, 1, Q, KV], read at (b, 0, q, kv)) did not compile, the constant index refused
+    ("Expected TensorSSA, but got <class 'int'>"), nor with that dim squeezed out of the tensor
+    ("expects coordinate to be weakly congruent to the layout"). Per-token ids a mask_mod reads at q
+    and at kv (a document mask) ran right there."""
+    data = next((n for t in site.biases if t.reads_per_position for n in t.buffer_nodes), None)
+    if data is not None:
+        return (f"its bias reads {_node_and_line(data)} per query or key, which Flash's score_mod computed wrong "
+                f"(NaN outputs on the H100, torch {torch.__version__}); Triton's is right")
+    for term in site.masks + site.biases:
+        for number, labels in term.program.buffer_reads() if term.program is not None else ():
+            if None in labels:
+                node = term.program.buffer_nodes[number]
+                return (f"its {'mask' if term in site.masks else 'bias'} reads {_node_and_line(node)}, of shape "
+                        f"{list(example_value(node).shape)}, along a broadcast dim of size 1, which Inductor's Flash "
+                        f"lowering of the mods cannot index (torch {torch.__version__}); Triton's can")
     return None
 
 
