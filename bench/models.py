@@ -153,7 +153,9 @@ class DecodeLlama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = (self.positions <= pos)[None, None, None, :]
+        # expanded to the batch (a view): ThunderFX's SDPA refuses a mask that broadcasts over it
+        # ("grad_forward_sdpa: Expected all inputs to have same batch_size", lightning-thunder 0.2.6)
+        mask = (self.positions <= pos)[None, None, None, :].expand(tokens.shape[0], 1, 1, -1)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, pos, cos, sin, mask)
