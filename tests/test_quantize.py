@@ -313,6 +313,21 @@ def test_a_recipe_whose_torchao_module_raises_on_import_is_refused_with_the_reas
         Quantize("float8-rowwise").check("cpu")
 
 
+def test_a_recipe_with_a_costly_first_use_says_so_in_the_report(monkeypatch):
+    """float8-blockwise autotunes for minutes on first use (H100, 2026-12-06); it needs a GPU, so
+    a CPU recipe stands in for it here, and the GPU test reads the real note."""
+    import dataclasses
+
+    import xform.transforms.quantize as quantize
+
+    monkeypatch.setitem(quantize.RECIPES, "nvfp4-weight-only",
+                        dataclasses.replace(quantize.RECIPES["nvfp4-weight-only"], first_use="autotunes for minutes"))
+    model = ffn()
+    with torch.no_grad():
+        xform.compile(model, "quantize:nvfp4-weight-only", handoff="eager")(torch.randn(4, 128, dtype=torch.bfloat16))
+    assert "nvfp4-weight-only: autotunes for minutes" in xform.report(model).graphs[0].transforms[0].notes
+
+
 def test_torchao_inference_settings_reach_the_quantized_graphs_only():
     # torchao's float8 inference configs set coordinate-descent tuning on the process's global
     # Inductor config; xform keeps the global config as it was and asks for the settings for

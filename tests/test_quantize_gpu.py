@@ -48,6 +48,9 @@ def test_recipe_on_gpu_matches_torchao_by_hand_and_does_not_recompile(recipe, no
     with no_recompile(), torch.set_grad_enabled(training):
         compiled(x)
     assert [c.target for c in xform.report(model).changes("quantize") if c.kind == "layer"] == ["0", "2"]
+    if RECIPES[recipe].first_use:  # float8-blockwise: torchao autotunes for minutes on a cold Triton cache
+        assert any(RECIPES[recipe].first_use in note for graph in xform.report(model).graphs
+                   for record in graph.transforms for note in record.notes)
 
 
 @pytest.mark.parametrize("recipe, out_db", [("float8-rowwise", 20.0), ("float8-weight-only", 25.0)])
@@ -80,11 +83,13 @@ def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db):
     assert not report.failures()
 
 
-def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_changes_no_gradient():
+def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_loses_no_accuracy():
     """xform/split_amax.py on the pattern it is for: a SwiGLU trained in float8-rowwise, whose backward
     reduces both gradients of the SwiGLU by rows and by columns. The weights' gradients are the same bit
-    for bit (H100, 2026-12-05); the input's gradient differed slightly there (the casts compute the
-    SwiGLU gradient in another kernel, which rounds its intermediates at other points)."""
+    for bit (H100, 2026-12-05); the input's gradient is not: it differed from the one without the pass
+    by a relative norm of 0.024 (H100, 2026-12-06; the casts compute the SwiGLU gradient in another
+    kernel, which rounds its intermediates at other points). So the input's gradient is held to its
+    error against float32 without float8: no larger with the pass than without."""
     from test_split_amax import CountingPass
 
     torch.manual_seed(0)
@@ -114,5 +119,8 @@ def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_changes_no_gradient(
     *weights, x_grad = zip(*grads)
     for with_pass, without in weights:
         assert torch.equal(with_pass, without)
-    with_pass, without = x_grad
-    assert ((with_pass - without).float().norm() / without.float().norm()).item() < 1e-2
+    x_exact = x.detach().float().requires_grad_()
+    copy.deepcopy(reference).float()(x_exact).square().mean().backward()
+    with_pass, without = (((g.float() - x_exact.grad).norm() / x_exact.grad.norm()).item() for g in x_grad)
+    print(f"input gradient's error against float32: {with_pass:.4f} with the pass, {without:.4f} without")
+    assert with_pass <= 1.1 * without, (with_pass, without)  # no less accurate than float8 is without the pass

@@ -100,6 +100,9 @@ class Recipe:
     # Inductor settings for the graphs of a backend using the recipe (all its graphs: the settings are
     # the handoff's, fixed when the backend is made, before any graph is seen)
     inductor: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # what the first step costs that later ones do not, for the report: a user waiting minutes on a
+    # first compile should know that it is expected and why
+    first_use: str = ""
 
     def apply(self, linear: nn.Linear, plan: Plan) -> nn.Module:
         """Quantize one layer: swap its weight in place (returns it) or return the swapped-in module."""
@@ -252,7 +255,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("float8-blockwise", True, "DeepSeek-V3 style float8 training: 1x128 activation, 128x128 weight blocks "
                                      "(tokens per step a multiple of 128)",
            _blockwise_plan, _to_blockwise_linear, multiple_of=128, bf16_weights=True, bias=False,
-           instead="float8-rowwise"),
+           instead="float8-rowwise",
+           first_use="the first step with a new layer shape takes minutes, not seconds: torchao's blockwise Triton "
+                     "kernels autotune on first use (45 configurations for each quantization kernel, per size), "
+                     "measured 1-1.5 minutes a layer shape on an H100. Triton keeps the compiled kernels on disk, "
+                     "so a later process takes seconds"),
     Recipe("mxfp8", True, "MXFP8 training (32-element blocks, e8m0 scales)", _mxfp8_training_plan,
            multiple_of=32, bf16_weights=True, instead="float8-rowwise"),
     Recipe("float8-dynamic", False, "float8 weights and per-row dynamically quantized activations",
@@ -322,6 +329,8 @@ class Quantize(Transform):
             plan = self._plan(Device.of(fresh[0].weight.tensor), graph.handoff)
             if plan.emulated:
                 record.note(f"{self.recipe} runs emulated here: {plan.emulated}")
+            if recipe.first_use:
+                record.note(f"{self.recipe}: {recipe.first_use}")
             training = [layer.path for layer in fresh if layer.weight.tensor.requires_grad]
             if not recipe.training and torch.is_grad_enabled() and training:
                 record.note(f"{self.recipe} is an inference recipe, and this graph trains ({training[0]}'s weight "
