@@ -20,6 +20,7 @@ after another on the same GPU (memory runs several at a time with `--jobs`):
     python bench/cudagraphs.py --only sync:1:xform,sync:1:reduce  # those configurations
     python bench/cudagraphs.py --one decode:sync:1:xform     # one configuration, prints its JSON
     python bench/cudagraphs.py --only decode:plain:8 --processes 5  # 5 processes each, alternating
+    python bench/cudagraphs.py --only decode:plain:1 --kernels  # also each one's device time a step
 
 `--jobs` overlaps only memory runs (a peak is per process, so it does not mix; their seconds do);
 decode runs, which are timed, always run alone. `--processes N` runs each timed configuration in N
@@ -37,11 +38,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -62,6 +66,7 @@ MEMORY = [f"memory:{w}:{c}" for w in ("buckets-big", "train", "train-breaks-big"
           for c in CONFIGS]
 
 
+KERNELS_ENV = "XFORM_BENCH_KERNELS"  # set by --kernels for the processes it starts
 TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
 
 
@@ -103,20 +108,45 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
     step = compile_(model)
     tokens = torch.randint(32000, (batch, 1), device="cuda")
     positions = torch.arange(1024, device="cuda")
+
+    def run(count: int, first: int = 5) -> None:
+        """`count` steps from position `first`, each fed the last one's token (the logits held
+        through the next call, as a generation loop holds them)."""
+        nonlocal tokens
+        for i in range(count):
+            logits = step(tokens, positions[first + i:first + i + 1])
+            tokens = logits[:, -1].argmax(-1, keepdim=True)
+
     times = []
     with torch.no_grad():
-        for i in range(5):
-            step(tokens, positions[i:i + 1])
+        run(5, first=0)
         for _ in range(repeats):  # the median of several runs of `steps` steps, positions 5.. each time
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for i in range(steps):
-                logits = step(tokens, positions[5 + i:6 + i])
-                tokens = logits[:, -1].argmax(-1, keepdim=True)
+            run(steps)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3 / steps)
+        kernels = device_time(lambda: run(20), 20) if os.environ.get(KERNELS_ENV) else {}
     return {"ms_per_step": round(statistics.median(times), 3), "runs_ms": [round(t, 3) for t in times],
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3), **kernels}
+
+
+def device_time(run: Callable[[], None], steps: int, activity: ProfilerActivity = ProfilerActivity.CUDA,
+                top: int = 6) -> dict[str, Any]:
+    """The device time a step that `run` (`steps` steps) takes, summed over its kernels and copies,
+    and the largest of them by name. Set against the step's wall time it tells the kernels from the
+    host work around them: where xform and reduce-overhead differ, whether it is in the graph."""
+    with profile(activities=[activity]) as profiled:
+        run()
+        if activity == ProfilerActivity.CUDA:
+            torch.cuda.synchronize()
+    kind = DeviceType.CUDA if activity == ProfilerActivity.CUDA else DeviceType.CPU
+    by_name: Counter[str] = Counter()
+    for event in profiled.events():
+        if event.device_type == kind:
+            by_name[event.name] += event.time_range.elapsed_us()
+    return {"device_ms_per_step": round(sum(by_name.values()) / steps / 1e3, 4),
+            "top_device_ms_per_step": {name[:100]: round(us / steps / 1e3, 4) for name, us in by_name.most_common(top)}}
 
 
 def training_calls(workload: str, config: str) -> list[Callable[[], None]]:
@@ -252,7 +282,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="memory runs at a time (default 1)")
     parser.add_argument("--processes", type=int, default=1,
                         help="processes per timed configuration, alternating (default 1)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="profile 20 more steps of each decode configuration: its device time a step "
+                             "and its largest kernels (not part of the timed runs)")
     args = parser.parse_args()
+    if args.kernels:
+        os.environ[KERNELS_ENV] = "1"
     if args.one:
         print(json.dumps(run_one(args.one)))
         return
