@@ -38,18 +38,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import Skipped, print_table, thunder_compile, write_result  # noqa: E402
+from bench.kernel_split import split  # noqa: E402
 from bench.models import DecodeLlama, Llama, LlamaConfig  # noqa: E402
 
 CONFIGS = ("inductor", "reduce-overhead", "xform")
@@ -126,27 +124,10 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
             run(steps)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3 / steps)
-        kernels = device_time(lambda: run(20), 20) if os.environ.get(KERNELS_ENV) else {}
+        # ms a step of GEMMs, Triton kernels and the rest (copies too), and the costliest kernels
+        kernels = split(lambda: run(1), steps=20, top=6) if os.environ.get(KERNELS_ENV) else {}
     return {"ms_per_step": round(statistics.median(times), 3), "runs_ms": [round(t, 3) for t in times],
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3), **kernels}
-
-
-def device_time(run: Callable[[], None], steps: int, activity: ProfilerActivity = ProfilerActivity.CUDA,
-                top: int = 6) -> dict[str, Any]:
-    """The device time a step that `run` (`steps` steps) takes, summed over its kernels and copies,
-    and the largest of them by name. Set against the step's wall time it tells the kernels from the
-    host work around them: where xform and reduce-overhead differ, whether it is in the graph."""
-    with profile(activities=[activity]) as profiled:
-        run()
-        if activity == ProfilerActivity.CUDA:
-            torch.cuda.synchronize()
-    kind = DeviceType.CUDA if activity == ProfilerActivity.CUDA else DeviceType.CPU
-    by_name: Counter[str] = Counter()
-    for event in profiled.events():
-        if event.device_type == kind:
-            by_name[event.name] += event.time_range.elapsed_us()
-    return {"device_ms_per_step": round(sum(by_name.values()) / steps / 1e3, 4),
-            "top_device_ms_per_step": {name[:100]: round(us / steps / 1e3, 4) for name, us in by_name.most_common(top)}}
 
 
 def training_calls(workload: str, config: str) -> list[Callable[[], None]]:
@@ -283,8 +264,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1,
                         help="processes per timed configuration, alternating (default 1)")
     parser.add_argument("--kernels", action="store_true",
-                        help="profile 20 more steps of each decode configuration: its device time a step "
-                             "and its largest kernels (not part of the timed runs)")
+                        help="profile 20 more steps of each decode configuration (bench/kernel_split.py): its "
+                             "GPU time a step by kind of kernel, and its costliest kernels (not part of the timed runs)")
     args = parser.parse_args()
     if args.kernels:
         os.environ[KERNELS_ENV] = "1"

@@ -297,16 +297,3 @@ def test_a_section_is_dated_by_when_its_results_were_measured_not_rendered(tmp_p
     assert f"{run_all.RAN_ON} 2025-12-03 16:21 UTC, results in `{out}`." in sections[quantize.title]
     assert f"{run_all.RAN_ON} 2026-12-05 07:40 UTC, results in `{out}`." in sections[attention.title]
 
-
-def test_decode_device_time_sums_what_the_steps_ran_by_name():
-    """`bench/cudagraphs.py --kernels`' per-step device time, here over the CPU's events (on the GPU
-    the same sum is over kernels and copies): a total a step and its largest names."""
-    from torch.profiler import ProfilerActivity
-
-    from bench.cudagraphs import device_time
-
-    a = torch.randn(256, 256)
-    timed = device_time(lambda: [torch.mm(a, a) for _ in range(4)], steps=4, activity=ProfilerActivity.CPU, top=2)
-    assert set(timed) == {"device_ms_per_step", "top_device_ms_per_step"}
-    assert "aten::mm" in timed["top_device_ms_per_step"] and len(timed["top_device_ms_per_step"]) == 2
-    assert timed["device_ms_per_step"] >= sum(timed["top_device_ms_per_step"].values()) > 0
