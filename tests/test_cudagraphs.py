@@ -450,7 +450,7 @@ def test_a_failed_recording_falls_back_and_strict_mode_raises(monkeypatch):
             torch.testing.assert_close(step(x), model(x))
     assert transform.functions[0].stats.fallback == ("recording failed: RuntimeError: operation not permitted when "
                                                      "stream is capturing")
-    notes = [n for g in xform.report(model).graphs for t in g.transforms for n in t.notes]
+    notes = xform.report(model).notes()
     assert notes == ["inference 0: runs uncaptured from now on: recording failed: RuntimeError: operation not "
                      "permitted when stream is capturing"]
 

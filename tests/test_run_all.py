@@ -296,4 +296,3 @@ def test_a_section_is_dated_by_when_its_results_were_measured_not_rendered(tmp_p
     sections = run_all.earlier_sections(doc.read_text())
     assert f"{run_all.RAN_ON} 2025-12-03 16:21 UTC, results in `{out}`." in sections[quantize.title]
     assert f"{run_all.RAN_ON} 2026-12-05 07:40 UTC, results in `{out}`." in sections[attention.title]
-

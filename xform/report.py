@@ -121,6 +121,10 @@ class Report:
     def skips(self, transform: str) -> list[Skip]:
         return [s for g in self.graphs for t in g.transforms if t.transform == transform for s in t.skips]
 
+    def notes(self, transform: str | None = None) -> list[str]:
+        """The notes of one transform, or of all of them, over every graph in compile order."""
+        return [n for g in self.graphs for t in g.transforms if transform in (None, t.transform) for n in t.notes]
+
     def failures(self) -> list[tuple[str, str]]:
         """(transform, what failed) for every transform a graph was compiled without."""
         return [(t.transform, t.failure) for g in self.graphs for t in g.transforms if t.failure]
