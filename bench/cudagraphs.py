@@ -124,7 +124,8 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
             run(steps)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3 / steps)
-        # ms a step of GEMMs, Triton kernels and the rest (copies too), and the costliest kernels
+        # ms a step of GEMMs, Triton kernels and the rest (copies too), the costliest kernels, and
+        # the GPU's span and idle time a step
         kernels = split(lambda: run(1), steps=20, top=6) if os.environ.get(KERNELS_ENV) else {}
     return {"ms_per_step": round(statistics.median(times), 3), "runs_ms": [round(t, 3) for t in times],
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3), **kernels}
@@ -265,7 +266,8 @@ def main() -> None:
                         help="processes per timed configuration, alternating (default 1)")
     parser.add_argument("--kernels", action="store_true",
                         help="profile 20 more steps of each decode configuration (bench/kernel_split.py): its "
-                             "GPU time a step by kind of kernel, and its costliest kernels (not part of the timed runs)")
+                             "GPU time a step by kind of kernel, its costliest kernels, the GPU's span a step and its idle "
+                             "time between kernels (not part of the timed runs)")
     args = parser.parse_args()
     if args.kernels:
         os.environ[KERNELS_ENV] = "1"

@@ -6,7 +6,8 @@ everything else; ms a step, from `torch.profiler`, per configuration of bench/qu
 A configuration is `variant:recipe` as bench/quantize.py names them (`torchao by hand`, `xform`,
 `xform tuned` with `--inductor-option`; no recipe for the bf16 variants). Each is prepared (compiled
 and run once), warmed up 3 steps, then profiled over `--steps` steps; a kernel is a GEMM when its
-name says so (cuBLAS's nvjet and gemm kernels, CUTLASS), Triton when Inductor generated it.
+name says so (cuBLAS's nvjet and gemm kernels, CUTLASS), Triton when Inductor generated it;
+and the GPU's span a step, the idle time within it and the median gap between kernels.
 `--top N` also lists each configuration's N costliest kernels (ms a step, calls a step), the ones
 worth tuning.
 """
@@ -14,6 +15,7 @@ worth tuning.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,8 +44,25 @@ def split(run, steps: int, top: int = 0) -> dict[str, Any]:
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-    kernels = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return summarize(kernels, steps, top)
+    launches = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {**summarize([(e.name, e.device_time_total) for e in launches], steps, top),
+            **timeline([(e.time_range.start, e.time_range.end) for e in launches], steps)}
+
+
+def timeline(intervals: Sequence[tuple[float, float]], steps: int) -> dict[str, float]:
+    """From (start, end) us of every launch over `steps` steps: the GPU's span a step (first start to
+    last end), the idle time a step within it (no kernel running), and the median gap between one
+    kernel's end and the next one's start, in us. Kernels alike, a GPU that idles more between them
+    (launch gaps in a CUDA graph, a wait on the host) takes longer a step."""
+    ordered = sorted(intervals)
+    busy_until, idle, gaps = ordered[0][1], 0.0, []
+    for start, end in ordered[1:]:
+        gaps.append(max(start - busy_until, 0.0))
+        idle += gaps[-1]
+        busy_until = max(busy_until, end)
+    span = busy_until - ordered[0][0]
+    return {"span ms": round(span / 1000 / steps, 3), "idle ms": round(idle / 1000 / steps, 3),
+            "median gap us": round(statistics.median(gaps), 3) if gaps else 0.0}
 
 
 def summarize(kernels: Sequence[tuple[str, float]], steps: int, top: int = 0) -> dict[str, Any]:

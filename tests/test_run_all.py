@@ -257,6 +257,15 @@ def test_kernel_split_sums_kinds_per_step_and_lists_the_costliest_kernels():
     assert "top" not in kernel_split.summarize(launches, steps=2)
 
 
+def test_kernel_timeline_gives_span_idle_time_and_the_median_gap_per_step():
+    # decode processes with the same kernels took 1.14 or 1.21 ms a step on the H100: the gaps differ
+    from bench import kernel_split
+
+    # us over 2 steps: kernels 0-10 and 5-12 overlap; then gaps of 3, 1 and 8 us
+    intervals = [(15.0, 20.0), (0.0, 10.0), (5.0, 12.0), (21.0, 30.0), (38.0, 40.0)]
+    assert kernel_split.timeline(intervals, steps=2) == {"span ms": 0.02, "idle ms": 0.006, "median gap us": 2.0}
+
+
 def test_a_benchmark_not_run_again_keeps_its_last_section_with_its_date(tmp_path):
     """Device calls each run some benchmarks: rendering one call's results replaces their sections and
     keeps the others' from the runs that measured them, each saying when that was."""
