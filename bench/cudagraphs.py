@@ -25,8 +25,11 @@ after another on the same GPU (memory runs several at a time with `--jobs`):
 `--jobs` overlaps only memory runs (a peak is per process, so it does not mix; their seconds do);
 decode runs, which are timed, always run alone. `--processes N` runs each timed configuration in N
 processes, the configurations alternating, and reports the median over processes with the
-range: on the H200 a decode process is fast or slow as a whole (about 6% apart, the same for
-xform and reduce-overhead), so one process per configuration cannot tell them apart.
+range. Before the timed processes, each decode configuration runs once untimed, to fill
+Inductor's and Triton's caches: a process that compiles its kernels itself (a cold cache) steps
+about 6% faster than one that loads them from the cache, with the same kernels, whichever the
+configuration (H100, 2026-12-06: the gaps between kernels in the graph, 0.1 against 0.45 us), so
+the first process on a fresh machine would otherwise win.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ MEMORY = [f"memory:{w}:{c}" for w in ("buckets-big", "train", "train-breaks-big"
 
 
 KERNELS_ENV = "XFORM_BENCH_KERNELS"  # set by --kernels for the processes it starts
+PRIME_ENV = "XFORM_BENCH_PRIME"  # a decode process that compiles, runs 5 steps and stops
 TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
 
 
@@ -118,6 +122,8 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
     times = []
     with torch.no_grad():
         run(5, first=0)
+        if os.environ.get(PRIME_ENV):
+            return {"primed": True}
         for _ in range(repeats):  # the median of several runs of `steps` steps, positions 5.. each time
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -203,8 +209,9 @@ def run_spec(spec: str, env: dict[str, str]) -> dict[str, Any]:
 def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], Any],
             processes: int = 1) -> list[dict[str, Any]]:
     """Memory runs `jobs` at a time (each process's Inductor gets its share of the CPUs), then
-    the timed runs one by one, `processes` rounds of them; `save` gets the rows so far after each
-    one, so that a run ended early (a time limit) keeps what it measured."""
+    the timed runs one by one, `processes` rounds of them, after one untimed process per decode
+    configuration that fills the compile caches; `save` gets the rows so far after each one, so
+    that a run ended early (a time limit) keeps what it measured."""
     overlapping = [s for s in specs if s.startswith("memory") and jobs > 1]
     env = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
     rows: list[dict[str, Any]] = []
@@ -212,8 +219,12 @@ def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], 
         for row in pool.map(lambda spec: run_spec(spec, env), overlapping):
             rows.append(row)
             save(rows)
+    timed = [s for s in specs if s not in overlapping]
+    for spec in timed:  # fill Inductor's and Triton's caches: every timed process then loads from them
+        if spec.startswith("decode"):
+            run_spec(spec, {PRIME_ENV: "1"})
     for _ in range(processes):
-        for spec in (s for s in specs if s not in overlapping):
+        for spec in timed:
             rows.append(run_spec(spec, {}))
             save(rows)
     return rows
