@@ -299,6 +299,8 @@ def test_without_swapping_storages_a_held_output_in_the_way_runs_the_call_uncapt
         del held
         outputs = [step(x) for _ in range(3)]  # replayed again, each output a copy of its own
     assert stats.replays == 5 and not any(recorder.holds(out) for out in outputs)
+    for out in outputs:  # the copies hold the replays' values
+        torch.testing.assert_close(out, model(x))
     (note,) = [n for n in xform.report(model).graphs[0].transforms[0].notes if "could not be moved" in n]
     assert "UntypedStorage._swap_data_ptr_, torch >= 2.13" in note and "copies its outputs out from now on" in note
 
