@@ -6,8 +6,8 @@ everything else; ms a step, from `torch.profiler`, per configuration of bench/qu
 A configuration is `variant:recipe` as bench/quantize.py names them (`torchao by hand`, `xform`,
 `xform tuned` with `--inductor-option`; no recipe for the bf16 variants). Each is prepared (compiled
 and run once), warmed up 3 steps, then profiled over `--steps` steps; a kernel is a GEMM when its
-name says so (cuBLAS's nvjet and gemm kernels, CUTLASS), Triton when Inductor generated it;
-and the GPU's span a step, the idle time within it and the median gap between kernels.
+name says so (cuBLAS's nvjet and gemm kernels, CUTLASS), Triton when Inductor generated it. Each row
+also has the GPU's span a step, the idle time within it and the median gap between kernels.
 `--top N` also lists each configuration's N costliest kernels (ms a step, calls a step), the ones
 worth tuning.
 """

@@ -304,8 +304,8 @@ class _Recording:
                 registry.add(storage, owned=True)
             return storages
         if self._copies is not None:
-            # one memcpy per storage: `_foreach_copy_` of bytes ran as a one-block kernel, 7 us
-            # for a batch's logits on the H100, where a memcpy takes a fraction of that
+            # one memcpy per storage: `_foreach_copy_` of bytes ran as a one-block kernel, 6.9 us a
+            # step for a decoder's logits at batch 1 on the H100, where the memcpy takes 1.2 us
             fresh = [torch.empty_like(source).copy_(source) for source in self._copies]
             return [f.untyped_storage() for f in fresh]
         storages = [unowned(s) for s in self._storages]
