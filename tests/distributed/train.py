@@ -130,7 +130,7 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "losses": losses, "param_bytes": all_bytes, "world": world,
             "state_dict_full_shapes": full_shapes, "reloaded": reloaded,
-            "notes": [n for g in report.graphs for t in g.transforms for n in t.notes] if report else [],
+            "notes": report.notes() if report else [],
             "changes": len(report.changes("distribute")) if report else 0,
             "skips": [[s.target, s.reason] for s in report.skips("distribute")] if report else [],
             "attention_changes": len(report.changes("flex-attention")) if report else 0,
