@@ -54,8 +54,11 @@ from bench.kernel_split import split  # noqa: E402
 from bench.models import DecodeLlama, Llama, LlamaConfig  # noqa: E402
 
 CONFIGS = ("inductor", "reduce-overhead", "xform")
-PEERS = ("thunder", "thunder-cudagraphs")  # decode only: ThunderFX, plain and with Thunder's CUDA graphs
-DECODE_CONFIGS = CONFIGS + PEERS
+# decode only: xform with CudaGraphs(stale_outputs="error"), CUDA Graph Trees' contract for an output
+# held through the next call (the logits); ThunderFX, plain and with Thunder's CUDA graphs
+XFORM_ERROR = "xform-error"
+PEERS = ("thunder", "thunder-cudagraphs")
+DECODE_CONFIGS = CONFIGS + (XFORM_ERROR,) + PEERS
 DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync") for b in (1, 8) for c in DECODE_CONFIGS]
 TRAIN = {"train": (LlamaConfig(layers=8, max_seq=512), False, (4, 512)),
          "train-breaks": (LlamaConfig(layers=8, max_seq=512), True, (4, 512)),
@@ -84,7 +87,7 @@ def compiler(config: str, dynamic: bool | None = None) -> Callable[[torch.nn.Mod
     import xform
     from xform.transforms import CudaGraphs
 
-    TRANSFORMS.append(CudaGraphs())
+    TRANSFORMS.append(CudaGraphs(stale_outputs="error" if config == XFORM_ERROR else "copy"))
     return lambda model: torch.compile(model, backend=xform.Backend(TRANSFORMS), dynamic=dynamic)
 
 
@@ -96,6 +99,7 @@ def replay_stats() -> dict[str, int]:
             "uncaptured_calls": sum(f.stats.uncaptured_calls for f in functions),
             "fallbacks": sum(f.stats.fallback is not None for f in functions),
             "moved_mib": round(sum(f.stats.moved_bytes for f in functions) / 2**20, 1),
+            "invalidated": sum(f.stats.invalidated for f in functions),
             "copied_in_mib": round(sum(f.stats.copied_in_bytes for f in functions) / 2**20, 1)}
 
 
@@ -230,6 +234,13 @@ def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], 
     return rows
 
 
+def selected(wanted: list[str] | None) -> list[str]:
+    """The configurations `--only` names: those containing one of `wanted`, but a full name selects
+    that configuration alone (decode:plain:1:xform, not also decode:plain:1:xform-error)."""
+    every = DECODE + MEMORY
+    return [s for s in every if wanted is None or any(w == s or (w not in every and w in s) for w in wanted)]
+
+
 def unmeasured(row: dict[str, Any]) -> str | None:
     """What a configuration without a figure shows in the summary: its skip reason, or that it failed."""
     if "skipped" in row:
@@ -249,11 +260,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             runs = {c: [r["ms_per_step"] for r in rows if r["spec"] == f"{case}:{c}" and "ms_per_step" in r]
                     for c in DECODE_CONFIGS}
             ms = {c: round(statistics.median(runs[c]), 3) if runs[c] else None for c in DECODE_CONFIGS}
-            ratio = round(ms["xform"] / ms["reduce-overhead"], 3) if ms["xform"] and ms["reduce-overhead"] else None
+            ratios = {f"{c}/reduce-overhead": round(ms[c] / ms["reduce-overhead"], 3) if ms[c] and ms["reduce-overhead"]
+                      else None for c in ("xform", XFORM_ERROR)}
             cells = {f"{c} ms": ms[c] or unmeasured(got[c]) for c in DECODE_CONFIGS}
             spread = {f"{c} range": f"{min(runs[c])}-{max(runs[c])} ({len(runs[c])})"
-                      for c in CONFIGS if len(runs[c]) > 1}
-            table.append({"case": case, **cells, "xform/reduce-overhead": ratio, **spread})
+                      for c in DECODE_CONFIGS if len(runs[c]) > 1}
+            table.append({"case": case, **cells, **ratios, **spread})
         else:
             peak = {c: got[c].get("peak_reserved_gib") for c in CONFIGS}
             base = peak["inductor"]
@@ -270,7 +282,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one", help="run one configuration in this process and print its JSON")
     parser.add_argument("--only", help="run only the configurations whose name contains this (e.g. decode, :8:), "
-                                       "or one of these, comma-separated")
+                                       "or is this full name, or one of these, comma-separated")
     parser.add_argument("--out", type=Path, help="directory for the JSON result (default bench/results)")
     parser.add_argument("--jobs", type=int, default=1, help="memory runs at a time (default 1)")
     parser.add_argument("--processes", type=int, default=1,
@@ -288,7 +300,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/cudagraphs.py needs a CUDA GPU")
     wanted = args.only.split(",") if args.only else None
-    specs = [s for s in DECODE + MEMORY if wanted is None or any(w in s for w in wanted)]
+    specs = selected(wanted)
     name = "cudagraphs" + ("_" + "_".join(w.strip(":").replace(":", "_") for w in wanted) if wanted else "")
     rows = run_all(specs, args.jobs, lambda rows: write_result(name, rows, args.out, summary=summarize(rows),
                                                                partial=True), args.processes)

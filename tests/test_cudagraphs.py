@@ -305,6 +305,38 @@ def test_without_swapping_storages_a_held_output_in_the_way_runs_the_call_uncapt
     assert "UntypedStorage._swap_data_ptr_, torch >= 2.13" in note and "copies its outputs out from now on" in note
 
 
+@pytest.mark.parametrize("swaps", [True, False], ids=["torch-2.13", "torch-2.11"])
+def test_stale_outputs_error_invalidates_a_held_output_instead_of_copying_it(recorder, monkeypatch, swaps):
+    # CUDA Graph Trees' contract, chosen: an output alive where a later replay writes is not copied
+    # but invalidated (on a CUDA build reading it then raises the message: test_cudagraphs_gpu.py),
+    # with no uncaptured call on either torch; an output fed back as the next call's input is
+    # treated as with stale_outputs="copy": the call reads it
+    monkeypatch.setattr(xform.handouts, "SWAPS", swaps)
+    invalidated = []
+    monkeypatch.setattr(xform.handouts, "invalidate", lambda storage, message: invalidated.append(message))
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1, stale_outputs="error")
+    step = compiled(model, transform)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        outputs = [step(x) for _ in range(6)]  # warm-up, recording and first replay, 4 replays, all held
+        torch.testing.assert_close(outputs[-1], model(x))
+    stats = transform.functions[0].stats
+    # each replay's output is invalidated by the replay after it (the warm-up's is not in the way)
+    assert (stats.replays, stats.uncaptured_calls, stats.stuck, stats.moved_bytes) == (5, 0, 0, 0)
+    assert stats.invalidated == len(invalidated) == 4
+    assert invalidated[0].startswith("xform cudagraphs: this tensor is an output of the CUDA graph of inference 0, "
+                                     "and a later replay wrote over its memory")
+    assert "Clone it before the next call to the compiled code (out = out.clone())" in invalidated[0]
+    with torch.no_grad():
+        fed = outputs[-1]
+        for _ in range(3):  # the output is the next call's input
+            expected = model(fed)
+            fed = step(fed)
+            torch.testing.assert_close(fed, expected)
+    if swaps:  # moved out of the way, each; torch 2.11 cannot move it: one call uncaptured, then copies
+        assert (stats.invalidated, stats.uncaptured_calls) == (4, 0) and stats.moved_bytes > 0
+
+
 def test_a_recording_made_while_an_output_is_held_moves_it_out_first(recorder):
     model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
     step = compiled(model, transform)

@@ -60,6 +60,29 @@ def test_held_outputs_are_never_overwritten_and_only_held_ones_are_copied():
     assert stats.replays == (6 if xform.handouts.SWAPS else 2) + 7 and stats.recordings == 1
 
 
+def test_stale_outputs_error_makes_reading_an_overwritten_output_raise_and_copies_nothing():
+    model, transform = mlp().eval(), CudaGraphs(stale_outputs="error")
+    step = torch.compile(model, backend=xform.Backend([transform]))
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        step(x), step(x)  # warm-up, recording
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        outputs = [step(x) for _ in range(4)]  # all held: each replay writes over the one before
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= before  # nothing copied out
+        torch.testing.assert_close(outputs[-1], model(x), atol=1e-4, rtol=1e-4)
+        with pytest.raises(RuntimeError, match="this tensor is an output of the CUDA graph of inference 0, and a "
+                                               "later replay wrote over its memory") as stale:
+            print(outputs[0][0, :4])
+        assert "(out = out.clone())" in str(stale.value)
+        kept = step(x).clone()  # cloned: kept
+        step(x)
+        torch.testing.assert_close(kept, model(x), atol=1e-4, rtol=1e-4)
+    stats = transform.functions[0].stats
+    assert (stats.uncaptured_calls, stats.moved_bytes, stats.stuck, stats.invalidated) == (0, 0, 0, 4)
+
+
 def test_an_output_held_across_another_graphs_replay_keeps_its_values():
     # two graphs share the pool: b's recording took the memory a's outputs had used, since none
     # was alive then; a's next output, held while b replays, must be moved out of b's way

@@ -28,9 +28,10 @@ BAD = [
     (Distribute, {"strategy": "tp", "tp_size": 2}, "distribute", "tp_size=2", "with strategy 'fsdp+tp' only"),
     (CudaGraphs, {"min_region_ops": 0}, "cudagraphs", "min_region_ops=0", "an int >= 1"),
     (CudaGraphs, {"max_graphs": 3}, "cudagraphs", "max_graphs=3",
-     "only the options min_region_ops, max_signatures, warmup (max_graphs was removed: an output still alive where a later replay writes is moved out"),
+     "only the options min_region_ops, max_signatures, warmup, stale_outputs (max_graphs was removed: an output still alive where a later replay writes is moved out"),
     (CudaGraphs, {"max_signatures": None}, "cudagraphs", "max_signatures=None", "an int >= 1"),
     (CudaGraphs, {"warmup": "1"}, "cudagraphs", "warmup='1'", "an int >= 1"),
+    (CudaGraphs, {"stale_outputs": "move"}, "cudagraphs", "stale_outputs='move'", "'copy' (an output still alive"),
 ]
 
 

@@ -243,6 +243,16 @@ def test_decode_figures_are_the_median_over_processes_with_their_range():
     assert summary["xform/reduce-overhead"] == 0.952
     assert summary["xform range"] == "0.99-1.06 (3)" and summary["reduce-overhead range"] == "0.975-1.05 (3)"
     assert summary["thunder ms"] == "skipped: no thunder" and "inductor range" not in summary
+    assert summary["xform-error/reduce-overhead"] is None  # not run
+
+
+def test_a_full_configuration_name_selects_it_alone():
+    from bench import cudagraphs
+
+    assert cudagraphs.selected(["decode:plain:1:xform"]) == ["decode:plain:1:xform"]
+    assert cudagraphs.selected(["decode:plain:1:xform-error", "memory:train:xform"]) == [
+        "decode:plain:1:xform-error", "memory:train:xform"]
+    assert cudagraphs.selected(["plain:8:xform"]) == ["decode:plain:8:xform", "decode:plain:8:xform-error"]
 
 
 def test_decode_processes_are_timed_after_one_untimed_process_per_configuration_fills_the_caches(monkeypatch):

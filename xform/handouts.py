@@ -15,13 +15,19 @@ which the allocator believes free: before a recording, those still alive are mov
 needs `UntypedStorage._swap_data_ptr_` (torch >= 2.13). Without it an unowned handout in the way
 is *stuck*: the caller runs that call uncaptured, and the handout's producer copies its outputs
 out from then on (`on_stuck`), as every replay did before outputs were handed out in place.
+
+A handout registered with a `stale` message, owned or not, is not moved but *invalidated* where it
+is in the way (`CudaGraphs(stale_outputs="error")`, CUDA Graph Trees' contract): its storage gives
+up the memory (an owned block goes back to the allocator), and any later read of it raises that
+message. Nothing is copied; the caller must clone what it keeps across calls. An input of the call
+being made is still moved: the call reads it.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -40,6 +46,17 @@ class _Handout:
     end: int
     owned: bool
     on_stuck: Callable[[], None] | None  # told when it is in the way and cannot be moved
+    stale: str | None  # when set, invalidated where it is in the way, reads raising this message
+
+
+@dataclass
+class Cleared:
+    """What `Handouts.move_out` did: bytes moved, the `on_stuck` of each handout that was in the way
+    but could not be moved (then the caller must not write there), handouts invalidated."""
+
+    moved: int = 0
+    stuck: list[Callable[[], None] | None] = field(default_factory=list)
+    invalidated: int = 0
 
 
 def movable(storage: torch.UntypedStorage) -> bool:
@@ -55,6 +72,12 @@ def _move(storage: torch.UntypedStorage) -> None:
         storage._swap_data_ptr_(fresh)  # `fresh` now holds the pool address, and goes
     else:
         storage.resize_(storage.nbytes())  # a fresh block, the bytes copied, the pool block freed
+
+
+def invalidate(storage: torch.UntypedStorage, message: str) -> None:
+    """Make `storage` give up its memory and every later read of it, through any tensor, raise
+    `message` (how CUDA Graph Trees mark outputs a later replay overwrote; CUDA builds only)."""
+    torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
 
 
 def _overlaps(ranges: Ranges, starts: list[int], start: int, end: int) -> bool:
@@ -102,10 +125,12 @@ class Handouts:
         self._live: list[_Handout] = []
         self._lock = threading.Lock()
 
-    def add(self, storage: torch.UntypedStorage, *, owned: bool, on_stuck: Callable[[], None] | None = None) -> None:
+    def add(self, storage: torch.UntypedStorage, *, owned: bool, on_stuck: Callable[[], None] | None = None,
+            stale: str | None = None) -> None:
         start = storage.data_ptr()
         with self._lock:
-            self._live.append(_Handout(StorageWeakRef(storage), start, start + storage.nbytes(), owned, on_stuck))
+            self._live.append(_Handout(StorageWeakRef(storage), start, start + storage.nbytes(), owned, on_stuck,
+                                       stale))
 
     def alive(self) -> list[tuple[int, int, bool]]:
         """(start, end, owned) of every handout still alive."""
@@ -127,34 +152,40 @@ class Handouts:
         return {i for i, t in enumerate(values) if isinstance(t, torch.Tensor)
                 and any(h.start <= t.untyped_storage().data_ptr() < h.end for h in owned)}
 
-    def move_out(self, ranges: Ranges | None = None, *,
-                 unowned_only: bool = False) -> tuple[int, list[Callable[[], None] | None]]:
-        """Move every live handout meeting `ranges` (all of them when None) into fresh memory.
-        Returns the bytes moved and, per handout that is in the way but cannot be moved (not
-        `movable`), its `on_stuck`: then the caller must not write the ranges."""
+    def move_out(self, ranges: Ranges | None = None, *, unowned_only: bool = False,
+                 reading: Sequence[Any] = ()) -> Cleared:
+        """Clear every live handout meeting `ranges` (all of them when None) out of the way: move it
+        into fresh memory, or invalidate it if it was registered `stale` and is not among the
+        tensors `reading` (the inputs of the call about to write). A handout that is in the way
+        but cannot be moved (not `movable`) is reported `stuck`."""
         if not self._live:  # nothing handed out alive: the common case between replays
-            return 0, []
+            return Cleared()
         starts = [r[0] for r in ranges] if ranges is not None else []
         with self._lock:
             self._live = [h for h in self._live if not h.ref.expired()]
             hits = [h for h in self._live if not (unowned_only and h.owned)
                     and (ranges is None or _overlaps(ranges, starts, h.start, h.end))]
         if not hits:
-            return 0, []
-        moved, stuck, gone = 0, [], set()
+            return Cleared()
+        read = {t.untyped_storage()._cdata for t in reading if isinstance(t, torch.Tensor)}
+        cleared, gone = Cleared(), set()
         for h in hits:
             storage = torch.UntypedStorage._new_with_weak_ptr(h.ref.cdata)
             if storage is None:  # died since
                 gone.add(id(h))
+            elif h.stale is not None and storage._cdata not in read:
+                invalidate(storage, h.stale)
+                cleared.invalidated += 1
+                gone.add(id(h))
             elif movable(storage):
                 _move(storage)
-                moved += storage.nbytes()
+                cleared.moved += storage.nbytes()
                 gone.add(id(h))
             else:
-                stuck.append(h.on_stuck)
+                cleared.stuck.append(h.on_stuck)
         with self._lock:
             self._live = [h for h in self._live if id(h) not in gone]
-        return moved, stuck
+        return cleared
 
 
 handouts = Handouts()

@@ -9,7 +9,9 @@ write (the pool memory that was free while it was recorded), and before it repla
 still alive in those ranges are moved out into ordinary memory (copied once, the caller's tensors
 repointed). Outputs that die before the next replay (logits read and dropped, activations the
 backward releases) are never copied; one recording per signature still serves callers that hold
-outputs (a list of logits, accumulated gradients), at the price of one copy each.
+outputs (a list of logits, accumulated gradients), at the price of one copy each. With
+`stale_outputs="error"` the live outputs in the way are invalidated instead, as CUDA Graph Trees
+do: nothing is copied, and reading one raises an error that says to clone it.
 
 Inputs: parameters and buffers have stable addresses and are read in place, and so are outputs of
 an earlier recording that are alive in the pool when this one records (a forward's saved
@@ -200,7 +202,18 @@ class ReplayStats:
     moved_bytes: int = 0  # outputs still alive where a replay writes, copied out of its way
     copied_in_bytes: int = 0  # inputs copied into the pool before replays (neither module state nor in the pool)
     stuck: int = 0  # live outputs in the way that could not be moved (torch < 2.13): calls run uncaptured
+    invalidated: int = 0  # live outputs in the way invalidated (stale_outputs="error"): reading one raises
     events: list[str] = field(default_factory=list)
+
+
+def stale_message(name: str) -> str:
+    """The error reading an output of region function `name` raises once a later replay has
+    written over it (`stale_outputs="error"`)."""
+    return (f"xform cudagraphs: this tensor is an output of the CUDA graph of {name}, and a later replay "
+            f"wrote over its memory (CudaGraphs(stale_outputs='error'), as mode='reduce-overhead' does). "
+            f"Clone it before the next call to the compiled code (out = out.clone()) if you keep it, or "
+            f"use CudaGraphs(stale_outputs='copy'), the default, which copies an output still alive out of "
+            f"the way")
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -269,7 +282,7 @@ class _Recording:
 
     def __init__(self, ptrs: list[int | None], metas: dict[int, Any], in_place_idxs: list[int], copy_idxs: list[int],
                  consumed: list[int], recorded: Recorded, writes: Ranges, specs: list[_OutputSpec],
-                 groups: int) -> None:
+                 groups: int, stale: str | None) -> None:
         self.ptrs = ptrs  # per input: the address recorded in place, or None
         self.metas = metas  # input index -> size, stride, dtype, device it was recorded with (or its value)
         self.in_place_idxs = in_place_idxs
@@ -281,6 +294,7 @@ class _Recording:
         self._owned: list[torch.UntypedStorage] | None = [first[g].untyped_storage() for g in range(groups)]
         self._storages = [unowned(storage) for storage in self._owned]  # address, size, device of each
         self._copies: list[torch.Tensor] | None = None  # the output storages' bytes, once copying
+        self._stale = stale  # the error a handout invalidated in a replay's way raises, or None: moved
 
     def matches(self, args: list[Any]) -> bool:
         """Whether `args` have this recording's signature: same in-place addresses, same metadata."""
@@ -301,7 +315,7 @@ class _Recording:
         if self._owned is not None:  # the first replay: the recording's own allocations
             storages, self._owned = self._owned, None
             for storage in storages:
-                registry.add(storage, owned=True)
+                registry.add(storage, owned=True, stale=self._stale)
             return storages
         if self._copies is not None:
             # one memcpy per storage: `_foreach_copy_` of bytes ran as a one-block kernel, 6.9 us a
@@ -310,7 +324,7 @@ class _Recording:
             return [f.untyped_storage() for f in fresh]
         storages = [unowned(s) for s in self._storages]
         for storage in storages:
-            registry.add(storage, owned=False, on_stuck=self.copy_from_now_on)
+            registry.add(storage, owned=False, on_stuck=self.copy_from_now_on, stale=self._stale)
         return storages
 
 
@@ -319,7 +333,7 @@ class GraphedFunction:
 
     def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], name: str, recorder: GraphRecorder,
                  module_state: Callable[[int, torch.Tensor], bool], *, warmup: int = 1, max_signatures: int = 64,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 stale_outputs: str = "copy", on_event: Callable[[str], None] | None = None) -> None:
         self.compiled = compiled
         self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy only those
         self.stats = ReplayStats(name)
@@ -328,6 +342,7 @@ class GraphedFunction:
         self._warmup = warmup
         self._max_signatures = max_signatures  # one per set of in-place addresses (a layer's parameters)
         self._on_event = on_event
+        self._stale = stale_message(name) if stale_outputs == "error" else None
         self._handouts = handouts
         self._specs: list[_OutputSpec] = []
         self._groups = 0
@@ -362,7 +377,7 @@ class GraphedFunction:
                 return self._call(args)
         elif recording.consumed:  # not held while the live handouts are looked at: the graph may overwrite them
             _hand_over(args, recording.consumed)
-        if not self._clear(recording.writes):
+        if not self._clear(recording.writes, args):
             self.stats.uncaptured_calls += 1
             return self._call(args)
         storages = recording.run(args, self._handouts, self.stats)
@@ -395,11 +410,14 @@ class GraphedFunction:
         self._seen.add(key)
         return True
 
-    def _clear(self, ranges: Ranges | None, *, unowned_only: bool = False) -> bool:
-        """Move the live outputs meeting `ranges` (all, or the unowned ones) out of the way; False
-        when one cannot be moved (torch < 2.13), after its producer was told to copy from now on."""
-        moved, stuck = self._handouts.move_out(ranges, unowned_only=unowned_only)
-        self.stats.moved_bytes += moved
+    def _clear(self, ranges: Ranges | None, args: list[Any], *, unowned_only: bool = False) -> bool:
+        """Clear the live outputs meeting `ranges` (all, or the unowned ones) out of the way of a
+        call on `args`; False when one cannot be moved (torch < 2.13), after its producer was told
+        to copy from now on."""
+        cleared = self._handouts.move_out(ranges, unowned_only=unowned_only, reading=args)
+        self.stats.moved_bytes += cleared.moved
+        self.stats.invalidated += cleared.invalidated
+        stuck = cleared.stuck
         for switch in stuck:
             if switch is not None:
                 switch()
@@ -417,14 +435,14 @@ class GraphedFunction:
         """A call before the recording, uncaptured, allocating in the pool. The allocator must see
         every output alive there, so the unowned ones are moved out first; what this call hands
         out it owns, and a replay recorded earlier may write there, so it is tracked too."""
-        if not self._clear(None, unowned_only=True):
+        if not self._clear(None, args, unowned_only=True):
             return self._call(args)
         inputs = _InputStorages(args)
         outputs = self._recorder.warm_up(self._call, args)
         fresh = {_storage_key(o): o.untyped_storage() for o in outputs
                  if isinstance(o, torch.Tensor) and inputs.index_of(o) is None}
         for storage in fresh.values():
-            self._handouts.add(storage, owned=True)
+            self._handouts.add(storage, owned=True, stale=self._stale)
         return outputs
 
     def _beyond_signatures(self, args: list[Any]) -> list[Any]:
@@ -492,7 +510,7 @@ class GraphedFunction:
         # the allocator must see every output alive in the pool, or the capture may place its own
         # memory there: the unowned ones (handed out by later replays) are moved out first, the
         # owned ones stay where they are and are read in place (a forward's saved activations)
-        if not self._clear(None, unowned_only=True):
+        if not self._clear(None, args, unowned_only=True):
             return None
         held = self._handouts.held(args)
         in_place = set(self._in_place_idxs) | held
@@ -524,7 +542,7 @@ class GraphedFunction:
         writes = subtract_ranges(recorded.writes, [(h.start, h.end) for h in before if not h.ref.expired()])
         consumed = [i for i in consumable if meets(writes, ptrs[i], ptrs[i] + 1)]
         recording = _Recording(ptrs, metas, sorted(in_place), copy_idxs, consumed, recorded, writes, self._specs,
-                               self._groups)
+                               self._groups, self._stale)
         self._recordings.append(recording)
         self._last = len(self._recordings) - 1
         self.stats.recordings += 1

@@ -33,7 +33,8 @@ NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): CUDA graphs
           "graph runs as compiled, without them")
 
 
-OPTIONS = ("min_region_ops", "max_signatures", "warmup")
+OPTIONS = ("min_region_ops", "max_signatures", "warmup", "stale_outputs")
+STALE_OUTPUTS = ("copy", "error")
 REMOVED = {"max_graphs": "an output still alive where a later replay writes is moved out of its way, so one "
                          "recording per signature serves callers that hold outputs"}
 
@@ -99,7 +100,8 @@ class CudaGraphs(Transform):
 
     name = "cudagraphs"
 
-    def __init__(self, *, min_region_ops: int = 2, max_signatures: int = 64, warmup: int = 1, **unknown: Any) -> None:
+    def __init__(self, *, min_region_ops: int = 2, max_signatures: int = 64, warmup: int = 1,
+                 stale_outputs: str = "copy", **unknown: Any) -> None:
         if unknown:  # a ValueError, as for bad values, rather than Python's TypeError
             option, value = next(iter(unknown.items()))
             why = f" ({option} was removed: {REMOVED[option]})" if option in REMOVED else ""
@@ -108,9 +110,14 @@ class CudaGraphs(Transform):
                               ("warmup", warmup)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise option_error(self.name, option, value, "an int >= 1")
+        if stale_outputs not in STALE_OUTPUTS:
+            raise option_error(self.name, "stale_outputs", stale_outputs,
+                               "'copy' (an output still alive where a later replay writes is copied out of the way) "
+                               "or 'error' (it is invalidated, and reading it raises, as mode='reduce-overhead' does)")
         self.min_region_ops = min_region_ops
         self.max_signatures = max_signatures
         self.warmup = warmup
+        self.stale_outputs = stale_outputs
         self.functions: list[GraphedFunction] = []  # every recorded region function, with its ReplayStats
 
     def required_inductor_config(self) -> dict[str, Any]:
@@ -156,7 +163,7 @@ class CudaGraphs(Transform):
 
             function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, is_module_state,
                                        warmup=self.warmup, max_signatures=self.max_signatures,
-                                       on_event=record.note)
+                                       stale_outputs=self.stale_outputs, on_event=record.note)
             self.functions.append(function)
             return function
 
