@@ -5,8 +5,10 @@ after another on the same GPU (memory runs several at a time with `--jobs`):
 
 - decode: the llama-style decoder (16 layers, dim 2048, static KV cache of 1024, bf16), one token
   a step, batch 1 and 8, as written and with a host sync (`.item()`) in every layer; ms a step.
-  Peers here also: Lightning Thunder's ThunderFX (`thunder`) and ThunderFX with Thunder's own CUDA
-  graphs (`thunder-cudagraphs`), "skipped" with the reason where thunder does not import.
+  Also xform with `CudaGraphs(stale_outputs="error")` (`xform-error`: the logits held through the
+  next call are invalidated, as reduce-overhead does, not copied out). Peers here also: Lightning
+  Thunder's ThunderFX (`thunder`) and ThunderFX with Thunder's own CUDA graphs
+  (`thunder-cudagraphs`), "skipped" with the reason where thunder does not import.
 - memory: peak reserved GPU memory over the same run without CUDA graphs, where graph pools cost.
   Training (8 layers, fwd + bwd + AdamW, 8 steps): `train` (4 x 512 tokens, one graph),
   `train-breaks` (the same with a graph break after every layer, `Llama(graph_breaks=True)`) and
