@@ -337,6 +337,28 @@ def test_stale_outputs_error_invalidates_a_held_output_instead_of_copying_it(rec
         assert (stats.invalidated, stats.uncaptured_calls) == (4, 0) and stats.moved_bytes > 0
 
 
+def test_stale_outputs_error_trains_as_eagerly_when_nothing_is_held_across_steps(recorder, monkeypatch):
+    # a training loop that sets gradients to None each step holds no output through a later
+    # replay: with stale_outputs="error" nothing is invalidated, nothing moved, and a layer's
+    # backward still reads what its forward saved, after the other layer replayed
+    invalidated = []
+    monkeypatch.setattr(xform.handouts, "invalidate", lambda storage, message: invalidated.append(message))
+    model, transform = nn.Sequential(Layer(), Layer()), CudaGraphs(min_region_ops=1, stale_outputs="error")
+    step = compiled(model, transform)
+    for _ in range(4):
+        x = torch.randn(4, 8)
+        model.zero_grad(set_to_none=True)
+        step(x).square().mean().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad)
+    assert len(transform.functions) == 4  # each layer's forward and backward
+    assert all(f.stats.replays == 3 and f.stats.moved_bytes == 0 for f in transform.functions)
+    assert invalidated == []
+
+
 def test_a_recording_made_while_an_output_is_held_moves_it_out_first(recorder):
     model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
     step = compiled(model, transform)
