@@ -206,6 +206,18 @@ class Layer(nn.Module):
         return x
 
 
+def _assert_grads_match_eager(model: nn.Module, step, x: torch.Tensor) -> None:
+    """A training step through `step` and one through `model` eagerly, each from gradients set to
+    None: the same gradients."""
+    model.zero_grad(set_to_none=True)
+    step(x).square().mean().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
 @pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_replays_match_eager_in_inference_and_training(recorder, handoff):
     model, transform = mlp(), CudaGraphs(min_region_ops=1)
@@ -216,13 +228,7 @@ def test_replays_match_eager_in_inference_and_training(recorder, handoff):
             torch.testing.assert_close(step(x), model(x))
     x = torch.randn(4, 8)
     for _ in range(4):
-        model.zero_grad(set_to_none=True)
-        step(x).square().mean().backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad)
+        _assert_grads_match_eager(model, step, x)
     stats = {f.stats.name.split()[0]: f.stats for f in transform.functions}
     assert stats["inference"].replays == 3
     assert stats["forward"].recordings == 1 and stats["forward"].replays == 3
@@ -346,14 +352,7 @@ def test_stale_outputs_error_trains_as_eagerly_when_nothing_is_held_across_steps
     model, transform = nn.Sequential(Layer(), Layer()), CudaGraphs(min_region_ops=1, stale_outputs="error")
     step = compiled(model, transform)
     for _ in range(4):
-        x = torch.randn(4, 8)
-        model.zero_grad(set_to_none=True)
-        step(x).square().mean().backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        for g, p in zip(got, model.parameters()):
-            torch.testing.assert_close(g, p.grad)
+        _assert_grads_match_eager(model, step, torch.randn(4, 8))
     assert len(transform.functions) == 4  # each layer's forward and backward
     assert all(f.stats.replays == 3 and f.stats.moved_bytes == 0 for f in transform.functions)
     assert invalidated == []
