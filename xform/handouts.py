@@ -167,7 +167,9 @@ class Handouts:
                     and (ranges is None or _overlaps(ranges, starts, h.start, h.end))]
         if not hits:
             return Cleared()
-        read = {t.untyped_storage()._cdata for t in reading if isinstance(t, torch.Tensor)}
+        # the storages the call reads, looked up only for a stale handout in the way
+        read = {t.untyped_storage()._cdata for t in reading if isinstance(t, torch.Tensor)} \
+            if any(h.stale is not None for h in hits) else set()
         cleared, gone = Cleared(), set()
         for h in hits:
             storage = torch.UntypedStorage._new_with_weak_ptr(h.ref.cdata)

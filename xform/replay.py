@@ -377,7 +377,9 @@ class GraphedFunction:
                 return self._call(args)
         elif recording.consumed:  # not held while the live handouts are looked at: the graph may overwrite them
             _hand_over(args, recording.consumed)
-        if not self._clear(recording.writes, args):
+        # of the inputs, only those copied in can be live handouts the call reads (those read in
+        # place were left out of the recording's ranges, the consumed ones are stand-ins by now)
+        if not self._clear(recording.writes, [args[i] for i in recording.copy_idxs]):
             self.stats.uncaptured_calls += 1
             return self._call(args)
         storages = recording.run(args, self._handouts, self.stats)
@@ -410,11 +412,11 @@ class GraphedFunction:
         self._seen.add(key)
         return True
 
-    def _clear(self, ranges: Ranges | None, args: list[Any], *, unowned_only: bool = False) -> bool:
+    def _clear(self, ranges: Ranges | None, reading: list[Any], *, unowned_only: bool = False) -> bool:
         """Clear the live outputs meeting `ranges` (all, or the unowned ones) out of the way of a
-        call on `args`; False when one cannot be moved (torch < 2.13), after its producer was told
+        call that reads `reading`; False when one cannot be moved (torch < 2.13), after its producer was told
         to copy from now on."""
-        cleared = self._handouts.move_out(ranges, unowned_only=unowned_only, reading=args)
+        cleared = self._handouts.move_out(ranges, unowned_only=unowned_only, reading=reading)
         self.stats.moved_bytes += cleared.moved
         self.stats.invalidated += cleared.invalidated
         stuck = cleared.stuck
