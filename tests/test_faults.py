@@ -3,6 +3,8 @@ the step completes, the report names what failed; XFORM_STRICT=1 raises instead.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -42,6 +44,29 @@ def test_model_changes_of_a_failed_transform_are_undone():
     (failure,) = xform.report(model).failures()
     assert failure[0] == "replaces-then-fails" and "RuntimeError: bug in the transform" in failure[1]
     assert xform.report(model).graphs[0].guard_changes == []
+
+
+class FailsInGraph(xform.Transform):
+    name = "fails-in-graph"
+
+    def transform_graph(self, graph, record):
+        raise RuntimeError("bug in the transform")
+
+
+def test_a_weight_torchao_quantized_is_put_back_when_a_later_transform_fails():
+    """torchao assigns the quantized weight to the module itself: undo must restore the original, so that
+    the graph compiled again without the failed transform quantizes the original weight once, not the
+    quantized weight a second time (which raised inside torchao on the H100)."""
+    model = nn.Sequential(nn.Linear(128, 128, bias=False)).bfloat16()
+    alone = copy.deepcopy(model)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+
+    out = xform.compile(model, "quantize:nvfp4-weight-only", FailsInGraph(), handoff="eager")(x)
+
+    assert [f[0] for f in xform.report(model).failures()] == ["fails-in-graph"]
+    assert [c.target for c in xform.report(model).changes("quantize")] == ["0"]
+    torch.testing.assert_close(out, xform.compile(alone, "quantize:nvfp4-weight-only", handoff="eager")(x),
+                               rtol=0, atol=0)
 
 
 class FailsInAot(xform.Transform):

@@ -373,6 +373,7 @@ class Quantize(Transform):
         param = layer.weight
         before = param.tensor
         after = RECIPES[self.recipe].apply(layer.module, plan).weight  # torchao assigned it to the module
+        setattr(param.owner, param.name, before)  # so that undoing the replacement puts back the original
         graph.replace_parameter(param, after, by=self.name)
         record.changed("layer", layer.path, f"{dtype_name(before.dtype)} -> {type(after).__name__}, "
                                             f"{format_bytes(tensor_bytes(before))} -> {format_bytes(tensor_bytes(after))}")
