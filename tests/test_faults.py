@@ -4,6 +4,7 @@ the step completes, the report names what failed; XFORM_STRICT=1 raises instead.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -82,8 +83,10 @@ def test_a_failure_inside_the_handoff_compile_is_attributed_and_survived(handoff
     x = torch.randn(2, 16)
     out = xform.compile(model, "cast:bf16", FailsInAot(), handoff=handoff)(x)
     (failure,) = xform.report(model).failures()
-    assert failure == ("fails-in-aot", "failed in transform_aot_graph: IndexError: aot bug; this graph was compiled "
-                                       "without it (XFORM_STRICT=1 raises instead)")
+    assert failure[0] == "fails-in-aot"
+    assert re.fullmatch(r"failed in transform_aot_graph: IndexError: aot bug \(raised at test_faults\.py:\d+ in "
+                        r"transform_aot_graph\); this graph was compiled without it \(XFORM_STRICT=1 raises instead\)",
+                        failure[1]), failure[1]
     torch.testing.assert_close(out, model(x))  # cast still applied, and consistent with eager
     assert model[0].weight.dtype == torch.bfloat16
 
@@ -136,3 +139,22 @@ def test_dynamos_restart_signal_passes_through_and_is_no_failure(monkeypatch):
     model, x = mlp(), torch.randn(2, 16)
     torch.testing.assert_close(xform.compile(model, AsksDynamoToRestart(), handoff="eager")(x), model(x))
     assert AsksDynamoToRestart.raised == 1 and xform.report(model).failures() == []
+
+
+def test_a_failure_says_where_it_was_raised_and_the_line_of_xform_on_the_way():
+    """Raised inside torch from xform's code: both lines, so the report alone is enough to start a fix."""
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from xform.faults import raised_at
+    from xform.fx_rewrite import insert_call
+
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    with FakeTensorMode():
+        a.meta["example_value"], b.meta["example_value"] = torch.empty(2, 3), torch.empty(4, 5)
+    with pytest.raises(RuntimeError) as caught:
+        insert_call(graph, "call_function", torch.matmul, (a, b))  # shapes that cannot be multiplied
+    where = raised_at(caught.value)
+    assert re.fullmatch(r"raised at torch/\S+\.py:\d+ in \w+, from xform/fx_rewrite\.py:\d+ in insert_call",
+                        where), where

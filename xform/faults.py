@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,7 +21,7 @@ class TransformFailed(RuntimeError):
 
     def __init__(self, transform: Transform, hook: str, error: BaseException) -> None:
         self.transform, self.hook = transform, hook
-        self.reason = f"{type(error).__name__}: {error}"
+        self.reason = f"{type(error).__name__}: {error} ({raised_at(error)})"
         super().__init__(f"xform: transform '{transform.name}' failed in {hook}: {self.reason}")
 
 
@@ -32,3 +34,37 @@ def transform_failure(error: BaseException | None) -> TransformFailed | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def raised_at(error: BaseException) -> str:
+    """Where `error` was raised and, when that is outside xform, the last line of xform's on the way
+    ("raised at torch/_tensor.py:12 in f, from xform/transforms/attention.py:34 in _rewrite"): what a
+    bug report, or a fix, needs first, said even where the stack trace is not shown (the report)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "raised at an unknown place"
+    last = frames[-1]
+    # the pipeline calls every hook: its line says nothing of the transform's
+    own = next((f for f in reversed(frames)
+                if Path(f.filename).is_relative_to(_PACKAGE) and Path(f.filename) != _PACKAGE / "pipeline.py"), None)
+    where = f"raised at {_frame(last)}"
+    return where if own is None or own is last else f"{where}, from {_frame(own)}"
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    return f"{_short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+
+
+def _short_path(filename: str) -> str:
+    """xform/..., the path from site-packages on (torch/...), or else the file's name."""
+    path = Path(filename)
+    if path.is_relative_to(_PACKAGE):
+        return path.relative_to(_PACKAGE.parent).as_posix()
+    parts = path.parts
+    for packages in ("site-packages", "dist-packages"):
+        if packages in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(packages):])
+    return path.name
