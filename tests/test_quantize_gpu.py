@@ -10,6 +10,7 @@ from torch import nn
 
 import xform
 from xform.transforms import RECIPES, Quantize, QuantizeUnsupported
+from test_quantize import sqnr
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -37,12 +38,18 @@ def test_recipe_on_gpu_matches_torchao_by_hand_and_does_not_recompile(recipe, no
         from torchao.quantization import quantize_
         quantize_(by_hand, plan.config)
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=training)
+    with torch.no_grad():
+        exact = model(x)
 
     compiled = xform.compile(model, f"quantize:{recipe}")
     with torch.set_grad_enabled(training):
         out = compiled(x)
         expected = torch.compile(by_hand)(x)
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    # each against the bf16 model first: where the two disagree, this says which one is wrong (float8-blockwise
+    # disagreed by up to 36 on the H100 on 2026-12-07, undecided)
+    against_bf16 = f"SQNR against bf16: xform {sqnr(exact, out):.1f} dB, torchao by hand {sqnr(exact, expected):.1f} dB"
+    assert sqnr(exact, out) >= 10.0 and sqnr(exact, expected) >= 10.0, against_bf16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=lambda m: f"{m}\n{against_bf16}")
     if training:
         out.sum().backward()
     with no_recompile(), torch.set_grad_enabled(training):
@@ -56,7 +63,6 @@ def test_recipe_on_gpu_matches_torchao_by_hand_and_does_not_recompile(recipe, no
 def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db):
     """All three on one transformer block: the same as quantize alone, recorded and replayed."""
     from models import TransformerBlock
-    from test_quantize import sqnr
 
     training = RECIPES[recipe].training
     reference = nn.Sequential(TransformerBlock(dim=256, heads=2)).cuda().bfloat16()
