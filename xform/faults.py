@@ -45,8 +45,7 @@ def raised_at(error: BaseException) -> str:
         return "raised at an unknown place"
     last = frames[-1]
     # the pipeline calls every hook: its line says nothing of the transform's
-    own = next((f for f in reversed(frames)
-                if Path(f.filename).is_relative_to(_PACKAGE) and Path(f.filename) != _PACKAGE / "pipeline.py"), None)
+    own = next((f for f in reversed(frames) if _within_xform(f.filename) not in (None, "xform/pipeline.py")), None)
     where = f"raised at {_frame(last)}"
     return where if own is None or own is last else f"{where}, from {_frame(own)}"
 
@@ -58,13 +57,19 @@ def _frame(frame: traceback.FrameSummary) -> str:
     return f"{_short_path(frame.filename)}:{frame.lineno} in {frame.name}"
 
 
+def _within_xform(filename: str) -> str | None:
+    """The path of a file of this package from its parent directory on (xform/...), else None."""
+    path = Path(filename).resolve()
+    return path.relative_to(_PACKAGE.parent).as_posix() if path.is_relative_to(_PACKAGE) else None
+
+
 def _short_path(filename: str) -> str:
     """xform/..., the path from site-packages on (torch/...), or else the file's name."""
-    path = Path(filename)
-    if path.is_relative_to(_PACKAGE):
-        return path.relative_to(_PACKAGE.parent).as_posix()
-    parts = path.parts
+    own = _within_xform(filename)
+    if own is not None:
+        return own
+    parts = Path(filename).parts
     for packages in ("site-packages", "dist-packages"):
         if packages in parts:
             return "/".join(parts[len(parts) - parts[::-1].index(packages):])
-    return path.name
+    return Path(filename).name
