@@ -59,15 +59,18 @@ def test_recipe_on_gpu_matches_torchao_by_hand_and_does_not_recompile(recipe, no
         assert any(RECIPES[recipe].first_use in note for note in xform.report(model).notes("quantize"))
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["with-cudagraphs", "without"])
 @pytest.mark.parametrize("recipe, out_db", [("float8-rowwise", 20.0), ("float8-weight-only", 25.0)])
-def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db):
-    """All three on one transformer block: the same as quantize alone, recorded and replayed."""
+def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db, graphs):
+    """All three on one transformer block: the same as quantize alone, recorded and replayed. Also without
+    cudagraphs, to tell which of the two flex-attention's failure there (H100, 2026-12-07) needs."""
     from models import TransformerBlock
 
     training = RECIPES[recipe].training
     reference = nn.Sequential(TransformerBlock(dim=256, heads=2)).cuda().bfloat16()
     composed_model, alone_model = copy.deepcopy(reference), copy.deepcopy(reference)
-    composed = xform.compile(composed_model, f"quantize:{recipe}", "flex-attention", "cudagraphs")
+    transforms = [f"quantize:{recipe}", "flex-attention"] + (["cudagraphs"] if graphs else [])
+    composed = xform.compile(composed_model, *transforms)
     alone = xform.compile(alone_model, f"quantize:{recipe}")
     x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
 
@@ -84,8 +87,8 @@ def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db):
     if training:
         assert inputs.grad is not None and torch.isfinite(inputs.grad).all()
     report = xform.report(composed_model)
-    assert report.changes("flex-attention") and report.changes("cudagraphs")
-    assert not report.failures()
+    assert report.failures() == [] and report.changes("flex-attention")
+    assert bool(report.changes("cudagraphs")) == graphs
 
 
 def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_loses_no_accuracy():
