@@ -16,9 +16,12 @@ do: nothing is copied, and reading one raises an error that says to clone it.
 Inputs: parameters and buffers have stable addresses and are read in place, and so are outputs of
 an earlier recording that are alive in the pool when this one records (a forward's saved
 activations, read by its backward; a layer's output, read by the next layer's graph): the
-allocator keeps those blocks out of this recording's ranges. The other inputs are copied in. A
-replay first checks its signature: the addresses of the in-place inputs and the sizes, strides and
-dtypes of the copied ones (and the values of numbers). A new signature records a new graph: one
+allocator keeps those blocks out of this recording's ranges. So is any other input found where the
+layer's first call found it (a buffer the caller fills again, a gradient the allocator places alike
+each step): no static copy of it in the pool, no copy per replay. Once one is found elsewhere, the
+next recording copies the inputs in. A replay first checks its signature: the addresses of the
+in-place inputs and the sizes, strides and dtypes of the copied ones and of the other inputs read
+in place (and the values of numbers). A new signature records a new graph: one
 compiled function may serve many signatures (Dynamo compiles a layer's code once for all the
 layers, each with its own parameters), up to `max_signatures`, beyond which calls run the compiled
 function uncaptured. A recording that fails leaves the region uncaptured for good; the report says
@@ -348,7 +351,9 @@ class GraphedFunction:
         self._groups = 0
         self._aliased: set[int] = set()  # inputs that outputs are views of
         self._in_place_idxs: list[int] = []  # module state, learned in the warm-up
-        self._seen: set[tuple[int, ...]] = set()  # module-state addresses of the calls so far
+        # per set of module-state addresses seen so far (a layer): the addresses its first call found
+        # the other tensor inputs at, of those not seen elsewhere since (`_steady_inputs`)
+        self._seen: dict[tuple[int, ...], dict[int, int]] = {}
         self._recordings: list[_Recording] = []
         self._last = -1  # index of the recording that matched last
 
@@ -409,8 +414,22 @@ class GraphedFunction:
         key = self._state_key(args)
         if key in self._seen:
             return False
-        self._seen.add(key)
+        self._seen[key] = self._other_addresses(args)
         return True
+
+    def _other_addresses(self, args: list[Any]) -> dict[int, int]:
+        in_place = set(self._in_place_idxs)
+        return {i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place}
+
+    def _steady_inputs(self, args: list[Any]) -> set[int]:
+        """The inputs, neither module state nor in the pool, found where this layer's first call found
+        them (a buffer the caller fills again, a gradient the allocator places alike each step): read in
+        place, like module state, not copied in. Once one is found elsewhere, they are all copied in
+        from then on: a layer records at most once more for inputs that move."""
+        steady = self._seen.get(self._state_key(args), {})
+        if any(args[i].data_ptr() != ptr for i, ptr in steady.items()):
+            steady.clear()
+        return set(steady)
 
     def _clear(self, ranges: Ranges | None, reading: list[Any], *, unowned_only: bool = False) -> bool:
         """Clear the live outputs meeting `ranges` (all, or the unowned ones) out of the way of a
@@ -460,7 +479,7 @@ class GraphedFunction:
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         # module state: its sizes and strides are guarded by Dynamo, so only its address is checked
         self._in_place_idxs = [i for i, a in tensors if self._module_state(i, a)]
-        self._seen.add(self._state_key(args))
+        self._seen[self._state_key(args)] = self._other_addresses(args)
         return _InputStorages(args)
 
     def _learn_outputs(self, outputs: list[Any], inputs: _InputStorages) -> None:
@@ -515,11 +534,14 @@ class GraphedFunction:
         if not self._clear(None, args, unowned_only=True):
             return None
         held = self._handouts.held(args)
-        in_place = set(self._in_place_idxs) | held
+        steady = self._steady_inputs(args) - held
+        in_place = set(self._in_place_idxs) | held | steady
         copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
         ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
-        # numbers are recorded as constants: a different value needs a recording of its own
-        metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args) if i not in in_place}
+        # numbers are recorded as constants: a different value needs a recording of its own; the
+        # steady inputs' sizes are checked as the copied ones' are (Dynamo guards module state's)
+        metas = {i: _meta(a) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
+                 if i not in in_place or i in steady}
         consumable = sorted(held - self._aliased)
         before = self._handouts.owned()
         mismatch: list[str] = []
