@@ -31,6 +31,26 @@ def test_inference_replays_and_matches_eager():
     assert function.stats.replays == 5 and function.stats.recordings == 1 and function.stats.fallback is None
 
 
+def test_an_input_buffer_filled_again_is_read_in_place_and_a_moved_input_copied():
+    """A buffer the caller writes each call is read where it is (nothing copied in), as a parameter is;
+    an input elsewhere gets one more recording, which copies it in. Both give eager's results."""
+    model, transform = mlp().eval(), CudaGraphs()
+    step = torch.compile(model, backend=xform.Backend([transform]))
+    buffer = torch.empty(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(5):
+            buffer.copy_(torch.randn(8, 64, device="cuda"))
+            torch.testing.assert_close(step(buffer), model(buffer), atol=1e-4, rtol=1e-4)
+        (function,) = transform.functions
+        assert (function.stats.recordings, function.stats.copied_in_bytes) == (1, 0)
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(step(x), model(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(step(buffer), model(buffer), atol=1e-4, rtol=1e-4)
+    assert function.stats.recordings == 2 and function.stats.copied_in_bytes == 3 * x.numel() * x.element_size()
+    assert function.stats.uncaptured_calls == 0 and function.stats.fallback is None
+
+
 def test_held_outputs_are_never_overwritten_and_only_held_ones_are_copied():
     model, transform = mlp().eval(), CudaGraphs()
     step = torch.compile(model, backend=xform.Backend([transform]))
