@@ -203,7 +203,7 @@ class ReplayStats:
     uncaptured_calls: int = 0  # after the warm-up: calls run without a graph (too many signatures, or failed)
     fallback: str | None = None  # why the region runs uncaptured for good
     moved_bytes: int = 0  # outputs still alive where a replay writes, copied out of its way
-    copied_in_bytes: int = 0  # inputs copied into the pool before replays (neither module state nor in the pool)
+    copied_in_bytes: int = 0  # inputs copied into the pool before replays (not module state, in the pool or steady)
     stuck: int = 0  # live outputs in the way that could not be moved (torch < 2.13): calls run uncaptured
     invalidated: int = 0  # live outputs in the way invalidated (stale_outputs="error"): reading one raises
     events: list[str] = field(default_factory=list)
