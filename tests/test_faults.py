@@ -12,6 +12,7 @@ from torch import nn
 
 import xform
 from models import mlp
+from test_transform_protocol import Broken
 
 
 @pytest.fixture(autouse=True)
@@ -47,13 +48,6 @@ def test_model_changes_of_a_failed_transform_are_undone():
     assert xform.report(model).graphs[0].guard_changes == []
 
 
-class FailsInGraph(xform.Transform):
-    name = "fails-in-graph"
-
-    def transform_graph(self, graph, record):
-        raise RuntimeError("bug in the transform")
-
-
 def test_a_weight_torchao_quantized_is_put_back_when_a_later_transform_fails():
     """torchao assigns the quantized weight to the module itself: undo must restore the original, so that
     the graph compiled again without the failed transform quantizes the original weight once, not the
@@ -62,9 +56,9 @@ def test_a_weight_torchao_quantized_is_put_back_when_a_later_transform_fails():
     alone = copy.deepcopy(model)
     x = torch.randn(4, 128, dtype=torch.bfloat16)
 
-    out = xform.compile(model, "quantize:nvfp4-weight-only", FailsInGraph(), handoff="eager")(x)
+    out = xform.compile(model, "quantize:nvfp4-weight-only", Broken(), handoff="eager")(x)
 
-    assert [f[0] for f in xform.report(model).failures()] == ["fails-in-graph"]
+    assert [f[0] for f in xform.report(model).failures()] == ["broken"]
     assert [c.target for c in xform.report(model).changes("quantize")] == ["0"]
     torch.testing.assert_close(out, xform.compile(alone, "quantize:nvfp4-weight-only", handoff="eager")(x),
                                rtol=0, atol=0)
