@@ -96,6 +96,9 @@ def test_stale_outputs_error_makes_reading_an_overwritten_output_raise_and_copie
                                                "later replay wrote over its memory") as stale:
             print(outputs[0][0, :4])
         assert "(out = out.clone())" in str(stale.value)
+        # raised inside torch's printing, whose frame the traceback keeps, and with it functorch off in
+        # this thread (xform copes, tests/test_functorch_state.py; torch's own vmap does not): dropped
+        del stale
         kept = step(x).clone()  # cloned: kept
         step(x)
         torch.testing.assert_close(kept, model(x), atol=1e-4, rtol=1e-4)

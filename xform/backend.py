@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from xform.captured import CapturedGraph
 from xform.dynamo_frame import DynamoFrame
+from xform.functorch_state import functorch_on
 from xform.handoff import make_handoff
 from xform.log import logger
 from xform.pipeline import DYNAMO_SIGNALS, Pipeline
@@ -99,7 +100,8 @@ class Backend:
         logger.info("graph %s (%s): %d nodes, transforms %s", record.graph, record.code,
                     record.nodes_before, [t.name for t in self.transforms])
         try:
-            compiled = self.pipeline.run(make_graph, record)
+            with functorch_on():
+                compiled = self.pipeline.run(make_graph, record)
         except DYNAMO_SIGNALS:
             records.remove(record)  # Dynamo retraces or breaks this graph: nothing the record says ran
             raise

@@ -48,6 +48,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from xform.capture_safety import user_source
 from xform.captured import CapturedGraph
 from xform.fx_rewrite import example_value, insert_call, op_name, remove_unused, unused_after
+from xform.functorch_state import functorch_on
 from xform.index_mods import (IndexProgram, NotBounded, NotElementwise, block_bounds, causal_program, dense_program,
                               index_program)
 from xform.registry import register_transform
@@ -469,7 +470,8 @@ class BlockMaskBuild:
         return create_block_mask(mask_mod, *self.sizes, device=self.device)
 
     def __call__(self, *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(x for x in self.block_mask(*buffers).as_tuple() if isinstance(x, torch.Tensor))
+        with functorch_on():  # run eagerly (eager handoff, a build before the call), it vmaps
+            return tuple(x for x in self.block_mask(*buffers).as_tuple() if isinstance(x, torch.Tensor))
 
     def how(self, before_the_call: bool) -> str:
         when = "built before each call, and reused while that data is unchanged," if before_the_call else \
@@ -545,8 +547,9 @@ class FlexCall:
         block = tuple(next(block_tensors) if x is _TENSOR else x for x in self.block_template)
         options = _apply_kernel_options(q, k, v, False, dict(self.kernel_options))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        out, *_ = torch.ops.higher_order.flex_attention(
-            q, k, v, score_mod, block[:-1] + (mask_mod,), scale, options, bias_buffers, mask_buffers)
+        with functorch_on():  # run eagerly (eager handoff), flex's reference math vmaps the mods
+            out, *_ = torch.ops.higher_order.flex_attention(
+                q, k, v, score_mod, block[:-1] + (mask_mod,), scale, options, bias_buffers, mask_buffers)
         return out
 
 
