@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import re
 
 import pytest
 import torch
@@ -373,3 +374,51 @@ def test_an_inference_recipe_in_a_graph_that_trains_says_its_weights_get_no_grad
     assert note.endswith("its quantized weights get none, so they stay as quantized. For training pick a training "
                          "recipe (float8-rowwise, float8-tensorwise, mxfp8)")
     assert not any("inference recipe" in n for n in xform.report(inference).graphs[0].transforms[0].notes)
+
+
+def blockwise_scaled_mm(a8, b8, a_scale, b_scale, out_dtype):
+    """What `torch._scaled_mm` should compute with 1x128 scales for `a` and 128x128 scales for `b`."""
+    a = a8.float() * a_scale.repeat_interleave(128, 1)
+    b = b8.float() * b_scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return (a @ b).to(out_dtype)
+
+
+def test_the_blockwise_probe_tells_a_right_gemm_from_one_that_misreads_the_scales():
+    from xform.scaled_mm_probe import RIGHT_DB, blockwise_sqnr
+
+    cpu = torch.device("cpu")
+    assert blockwise_sqnr(cpu, blockwise_scaled_mm) >= 25.0
+    ignoring = lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(  # noqa: E731
+        a8, b8, torch.ones_like(a_scale), torch.ones_like(b_scale), out_dtype)
+    transposing = lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(  # noqa: E731
+        a8, b8, a_scale, b_scale.t(), out_dtype)
+    rows_reversed = lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(  # noqa: E731
+        a8, b8, a_scale.flip(0), b_scale, out_dtype)
+    assert all(blockwise_sqnr(cpu, wrong) < RIGHT_DB for wrong in (ignoring, transposing, rows_reversed))
+
+
+def test_float8_blockwise_is_refused_where_torchs_blockwise_gemm_computes_wrong(monkeypatch):
+    """On the H200 with torch 2.11 (2026-12-07) torchao's blockwise module gave 3 dB against bf16, its
+    gradients -inf: torch._scaled_mm misread the block scales. The probe's verdict refuses the recipe."""
+    import xform.transforms.quantize as quantize
+    from xform.scaled_mm_probe import blockwise_gemm_error
+
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(
+        a8, b8, torch.ones_like(a_scale), torch.ones_like(b_scale), out_dtype))
+    wrong = blockwise_gemm_error.__wrapped__(torch.device("cpu"))
+    assert re.fullmatch(r"torch\._scaled_mm with 1x128/128x128 block scales, which torchao's blockwise module "
+                        r"calls, computed a probe GEMM wrong here \(-?\d+\.\d dB SQNR against float32; right is about "
+                        r"28\) with torch .*", wrong), wrong
+    monkeypatch.setattr(quantize, "blockwise_gemm_error", lambda device: wrong)
+    h200 = quantize.Device("cuda", (9, 0), "NVIDIA H200")
+    with pytest.raises(QuantizeUnsupported, match=r"recipe 'float8-blockwise' would give wrong results on NVIDIA H200 "
+                                                  r"\(SM90\): torch\._scaled_mm with .* Here, use float8-rowwise\."):
+        quantize.RECIPES["float8-blockwise"].plan(h200, "inductor")
+
+
+def test_the_blockwise_probe_reports_torchs_refusal_of_the_layout():
+    """The CPU's torch._scaled_mm takes no block scales: said as such, not raised."""
+    from xform.scaled_mm_probe import blockwise_gemm_error
+
+    assert blockwise_gemm_error.__wrapped__(torch.device("cpu")).startswith(
+        "torch._scaled_mm refused 1x128/128x128 block scales (Invalid scaling configuration.")

@@ -45,6 +45,7 @@ from xform.linear_layers import (
 )
 from xform.registry import register_transform
 from xform.report import TransformRecord
+from xform.scaled_mm_probe import blockwise_gemm_error
 from xform.selection import LayerFilter, layer_selector
 from xform.split_amax import SplitAmaxPairs
 from xform.transform import Transform, option_error
@@ -169,6 +170,10 @@ def _blockwise_plan(device: Device, handoff: str) -> Plan:
     if not device.at_least(9, 0):
         raise _unsupported("float8-blockwise", device, "an SM90+ GPU (H100/H200) with Triton: torchao's blockwise "
                            "float8 training kernels are Triton kernels for Hopper", "float8-rowwise")
+    wrong = blockwise_gemm_error(torch.device("cuda"))
+    if wrong is not None:
+        raise QuantizeUnsupported(f"xform: transform 'quantize': recipe 'float8-blockwise' would give wrong results "
+                                  f"on {device}: {wrong}. Here, use float8-rowwise.")
     from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinearConfig
 
     return Plan(Float8BlockwiseLinearConfig())
