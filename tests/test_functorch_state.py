@@ -9,11 +9,11 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import xform
 from xform import functorch_state
 from xform.functorch_state import functorch_on
+from test_attention_gpu import causal, document  # the GPU tests' patterns, here on the CPU
 
 STALE = "this tensor is an output of the CUDA graph of inference 0, and a later replay wrote over its memory"
 
@@ -44,16 +44,6 @@ def vmap_works() -> bool:
     return True
 
 
-def causal(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def document(q, k, v, ids):
-    pos = torch.arange(q.shape[-2], device=q.device)
-    same = ids[:, None, :, None] == ids[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=same & (pos[:, None] >= pos[None, :]))
-
-
 def test_a_failed_print_leaves_vmap_off_while_its_exception_lives():
     """Torch's behaviour, which the rest works around: off until the exception is collected."""
     held = printing_failure()
@@ -69,7 +59,7 @@ def test_flex_attention_rewrites_and_runs_while_a_failed_print_holds_functorch_o
     held = printing_failure()
     q, k, v = (torch.randn(2, 4, 256, 32) for _ in range(3))
     ids = (torch.arange(256) // 64).expand(2, 256).contiguous()
-    args = (q, k, v) if pattern is causal else (q, k, v, ids)
+    args = (q, k, v, ids)
     with caplog.at_level(logging.WARNING, logger="xform"):
         out = xform.compile(pattern, "flex-attention", handoff="eager")(*args)
     (change,) = xform.report(pattern).changes("flex-attention")

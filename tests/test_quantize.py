@@ -383,18 +383,25 @@ def blockwise_scaled_mm(a8, b8, a_scale, b_scale, out_dtype):
     return (a @ b).to(out_dtype)
 
 
+def scales_ignored(a8, b8, a_scale, b_scale, out_dtype):
+    return blockwise_scaled_mm(a8, b8, torch.ones_like(a_scale), torch.ones_like(b_scale), out_dtype)
+
+
+def weight_scales_transposed(a8, b8, a_scale, b_scale, out_dtype):
+    return blockwise_scaled_mm(a8, b8, a_scale, b_scale.t(), out_dtype)
+
+
+def row_scales_reversed(a8, b8, a_scale, b_scale, out_dtype):
+    return blockwise_scaled_mm(a8, b8, a_scale.flip(0), b_scale, out_dtype)
+
+
 def test_the_blockwise_probe_tells_a_right_gemm_from_one_that_misreads_the_scales():
     from xform.scaled_mm_probe import RIGHT_DB, blockwise_sqnr
 
     cpu = torch.device("cpu")
     assert blockwise_sqnr(cpu, blockwise_scaled_mm) >= 25.0
-    ignoring = lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(  # noqa: E731
-        a8, b8, torch.ones_like(a_scale), torch.ones_like(b_scale), out_dtype)
-    transposing = lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(  # noqa: E731
-        a8, b8, a_scale, b_scale.t(), out_dtype)
-    rows_reversed = lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(  # noqa: E731
-        a8, b8, a_scale.flip(0), b_scale, out_dtype)
-    assert all(blockwise_sqnr(cpu, wrong) < RIGHT_DB for wrong in (ignoring, transposing, rows_reversed))
+    assert all(blockwise_sqnr(cpu, wrong) < RIGHT_DB
+               for wrong in (scales_ignored, weight_scales_transposed, row_scales_reversed))
 
 
 def test_float8_blockwise_is_refused_where_torchs_blockwise_gemm_computes_wrong(monkeypatch):
@@ -403,8 +410,7 @@ def test_float8_blockwise_is_refused_where_torchs_blockwise_gemm_computes_wrong(
     import xform.transforms.quantize as quantize
     from xform.scaled_mm_probe import blockwise_gemm_error
 
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a8, b8, a_scale, b_scale, out_dtype: blockwise_scaled_mm(
-        a8, b8, torch.ones_like(a_scale), torch.ones_like(b_scale), out_dtype))
+    monkeypatch.setattr(torch, "_scaled_mm", scales_ignored)
     wrong = blockwise_gemm_error.__wrapped__(torch.device("cpu"))
     assert re.fullmatch(r"torch\._scaled_mm with 1x128/128x128 block scales, which torchao's blockwise module "
                         r"calls, computed a probe GEMM wrong here \(-?\d+\.\d dB SQNR against float32; right is about "

@@ -37,11 +37,10 @@ def functorch_on() -> Iterator[None]:
     freeing it destroys the guard, which turns functorch back on for good. Where something still
     holds the exception, functorch is turned on for the block alone and off again after it, as
     the guard still alive expects (what the block runs drops no exception of the caller's)."""
-    if not _off():
-        yield
-        return
-    gc.collect()
     off = _off()
+    if off:
+        gc.collect()
+        off = _off()
     if not off:
         yield
         return
