@@ -37,6 +37,7 @@ the first process on a fresh machine would otherwise win.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -53,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import Skipped, print_table, thunder_compile, write_result  # noqa: E402
 from bench.kernel_split import split  # noqa: E402
-from bench.models import DecodeLlama, Llama, LlamaConfig  # noqa: E402
+from bench.memory_peak import PeakTracer  # noqa: E402
+from bench.models import DecodeLlama, Llama, LlamaConfig, WeightsAsInputs, plain_weights  # noqa: E402
 
 CONFIGS = ("inductor", "reduce-overhead", "xform")
 # decode only: xform with CudaGraphs(stale_outputs="error"), CUDA Graph Trees' contract for an output
@@ -61,19 +63,23 @@ CONFIGS = ("inductor", "reduce-overhead", "xform")
 XFORM_ERROR = "xform-error"
 PEERS = ("thunder", "thunder-cudagraphs")
 DECODE_CONFIGS = CONFIGS + (XFORM_ERROR,) + PEERS
-DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync") for b in (1, 8) for c in DECODE_CONFIGS]
+DECODE = [f"decode:{v}:{b}:{c}" for v in ("plain", "sync", "weights") for b in (1, 8) for c in DECODE_CONFIGS]
 TRAIN = {"train": (LlamaConfig(layers=8, max_seq=512), False, (4, 512)),
          "train-breaks": (LlamaConfig(layers=8, max_seq=512), True, (4, 512)),
          "train-breaks-big": (LlamaConfig(layers=8, max_seq=1024), True, (8, 1024))}
-BUCKETS = {"buckets": (LlamaConfig(layers=8, max_seq=256), (1, 2, 4, 8), 256),
-           "buckets-big": (LlamaConfig(layers=16, max_seq=512), (1, 2, 4, 8, 16, 32), 512)}
+# (model, batch sizes, tokens, weights passed as arguments)
+BUCKETS = {"buckets": (LlamaConfig(layers=8, max_seq=256), (1, 2, 4, 8), 256, False),
+           "buckets-big": (LlamaConfig(layers=16, max_seq=512), (1, 2, 4, 8, 16, 32), 512, False),
+           "buckets-weights": (LlamaConfig(layers=8, max_seq=256), (1, 2, 4, 8), 256, True),
+           "buckets-big-weights": (LlamaConfig(layers=16, max_seq=512), (1, 2, 4, 8, 16, 32), 512, True)}
 # the longest to compile first, so that overlapping runs (--jobs) end together
-MEMORY = [f"memory:{w}:{c}" for w in ("buckets-big", "train", "train-breaks-big", "train-breaks", "buckets")
-          for c in CONFIGS]
+MEMORY = [f"memory:{w}:{c}" for w in ("buckets-big-weights", "buckets-big", "train", "train-breaks-big",
+                                      "train-breaks", "buckets-weights", "buckets") for c in CONFIGS]
 
 
 KERNELS_ENV = "XFORM_BENCH_KERNELS"  # set by --kernels for the processes it starts
 PRIME_ENV = "XFORM_BENCH_PRIME"  # a decode process that compiles, runs 5 steps and stops
+WHERE_ENV = "XFORM_BENCH_WHERE"  # set by --where: memory runs say what was allocated at their peak
 TRANSFORMS: list[Any] = []  # the xform configuration's transform, for its replay statistics
 
 
@@ -113,7 +119,7 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
     # no_grad below, and traced a forward for backward (its CUDA graphs then failed, and its SDPA
     # executor at batch 8, on the H100 2026-12-05); the other configurations do the same either way
     model.requires_grad_(False)
-    step = compile_(model)
+    step = compile_(model) if variant != "weights" else with_weights(compile_, model)
     tokens = torch.randint(32000, (batch, 1), device="cuda")
     positions = torch.arange(1024, device="cuda")
 
@@ -143,6 +149,14 @@ def decode(variant: str, batch: int, config: str, steps: int = 200, repeats: int
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3), **kernels}
 
 
+def with_weights(compile_: Callable[[torch.nn.Module], Callable[..., Any]],
+                 model: torch.nn.Module) -> Callable[..., Any]:
+    """`model` compiled with its parameters passed in as plain tensors (`WeightsAsInputs`), called
+    as `model` is."""
+    step, weights = compile_(WeightsAsInputs(model)), plain_weights(model)
+    return lambda *args: step(weights, *args)
+
+
 def training_calls(workload: str, config: str) -> list[Callable[[], None]]:
     """Eight training steps of a TRAIN workload: compiled forward and backward, eager loss and AdamW."""
     c, graph_breaks, (batch, seq) = TRAIN[workload]
@@ -161,9 +175,10 @@ def training_calls(workload: str, config: str) -> list[Callable[[], None]]:
 
 def bucket_calls(workload: str, config: str) -> list[Callable[[], None]]:
     """Four rounds of inference at each batch size of a BUCKETS workload."""
-    c, batches, seq = BUCKETS[workload]
+    c, batches, seq, weights_passed = BUCKETS[workload]
     model = Llama(c).to("cuda", torch.bfloat16).eval()
-    step = compiler(config, dynamic=False)(model)  # one static graph per batch size, as servers record
+    compile_ = compiler(config, dynamic=False)  # one static graph per batch size, as servers record
+    step = with_weights(compile_, model) if weights_passed else compile_(model)
     inputs = [torch.randint(c.vocab, (b, seq), device="cuda") for b in batches]
 
     def infer(tokens: torch.Tensor) -> Callable[[], None]:
@@ -178,14 +193,17 @@ def bucket_calls(workload: str, config: str) -> list[Callable[[], None]]:
 def memory(workload: str, config: str) -> dict[str, Any]:
     torch.manual_seed(0)
     calls = training_calls(workload, config) if workload in TRAIN else bucket_calls(workload, config)
+    tracer = PeakTracer() if os.environ.get(WHERE_ENV) else None
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
+    with tracer or contextlib.nullcontext():
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
     return {"seconds": round(time.perf_counter() - start, 2),
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
-            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+            **({"at_peak": tracer.at_peak} if tracer else {})}
 
 
 def run_one(spec: str) -> dict[str, Any]:
@@ -293,9 +311,14 @@ def main() -> None:
                         help="profile 20 more steps of each decode configuration (bench/kernel_split.py): its "
                              "GPU time a step by kind of kernel, its costliest kernels, the GPU's span a step and its idle "
                              "time between kernels (not part of the timed runs)")
+    parser.add_argument("--where", action="store_true",
+                        help="memory runs record the allocator's history (bench/memory_peak.py) and report what "
+                             "was allocated, by pool and by where in the code, when the reserved total peaked")
     args = parser.parse_args()
     if args.kernels:
         os.environ[KERNELS_ENV] = "1"
+    if args.where:
+        os.environ[WHERE_ENV] = "1"
     if args.one:
         print(json.dumps(run_one(args.one)))
         return

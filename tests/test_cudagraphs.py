@@ -387,6 +387,24 @@ def test_an_input_the_caller_fills_again_in_place_is_read_where_it_is(recorder):
     assert (stats.recordings, stats.replays, stats.copied_in_bytes, stats.uncaptured_calls) == (1, 4, 0, 0)
 
 
+def test_weights_passed_as_plain_tensors_are_read_in_place(recorder):
+    """Weights given as arguments (`torch.func.functional_call`, a server's weight dict) are neither
+    parameters nor buffers; found where the first call found them, they are read in place: nothing is
+    copied in (CUDA Graph Trees copy such inputs into their pool, for every recording)."""
+    model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
+    weights = {name: p.detach() for name, p in model.named_parameters()}
+    step = compiled(lambda w, x: torch.func.functional_call(model, w, (x,)), transform)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(5):
+            x.copy_(torch.randn(4, 8))
+            torch.testing.assert_close(step(weights, x), model(x))
+        weights["0.weight"].mul_(2)  # written in place: the replay reads the new values
+        torch.testing.assert_close(step(weights, x), model(x))
+    (stats,) = [f.stats for f in transform.functions]
+    assert (stats.recordings, stats.replays, stats.copied_in_bytes, stats.uncaptured_calls) == (1, 5, 0, 0)
+
+
 def test_inputs_that_move_are_copied_in_from_the_next_recording_on(recorder):
     """A call with the input elsewhere records once more, copying the inputs in; the recording that reads
     them in place still serves calls at their first address. Both give the model's results."""
