@@ -30,10 +30,11 @@ why. Each step still completes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -110,6 +111,22 @@ def _pool_blocks(pool: Any) -> list[tuple[int, int, bool]]:
     return blocks
 
 
+@contextlib.contextmanager
+def _no_cublas_workspace_kept() -> Iterator[None]:
+    """cuBLAS keeps a workspace per stream (32 MiB each for cuBLAS and cuBLASLt on the H100),
+    allocated by the first GEMM: one made during a warm-up or a recording would stay allocated in
+    the pool for good (measured: 64 MiB of xform's pool alive at the peak of a training step).
+    Cleared before, so that the one used here is allocated in the pool, and after, so that it is
+    freed there (as CUDA Graph Trees do). A recording still writes its workspace's memory when it
+    replays: it lies in the pool ranges the recording writes, so a handout left there is moved
+    out first, as from any of its intermediates."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 class CudaGraphRecorder:
     """`torch.cuda.CUDAGraph`s recorded on a side stream into one pool shared by every graph."""
 
@@ -149,7 +166,7 @@ class CudaGraphRecorder:
         device = torch.cuda.current_device()
         torch.cuda.synchronize()  # what the stream reuses from the pool is no longer read elsewhere
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), _no_cublas_workspace_kept():
             torch._C._cuda_beginAllocateCurrentThreadToPool(device, self._pool)
             try:
                 outputs = run(inputs)
@@ -164,7 +181,8 @@ class CudaGraphRecorder:
         static = list(inputs)
         inputs.clear()  # `run` takes the list over: what the region consumes is freed as it goes
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            with _no_cublas_workspace_kept(), torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
+                                                                capture_error_mode="thread_local"):
                 for i in copied:  # allocated in the pool; no work recorded
                     static[i] = torch.empty_strided(static[i].shape, static[i].stride(), dtype=static[i].dtype,
                                                     device=static[i].device)
