@@ -4,7 +4,9 @@ Every configuration runs in a process of its own (memory peaks and graph pools d
 after another on the same GPU (memory runs several at a time with `--jobs`):
 
 - decode: the llama-style decoder (16 layers, dim 2048, static KV cache of 1024, bf16), one token
-  a step, batch 1 and 8, as written and with a host sync (`.item()`) in every layer; ms a step.
+  a step, batch 1 and 8, as written (`plain`), with a host sync (`.item()`) in every layer
+  (`sync`), and with its weights passed as plain tensor arguments (`weights`: called through
+  `torch.func.functional_call`, `bench/models.py::WeightsAsInputs`); ms a step.
   Also xform with `CudaGraphs(stale_outputs="error")` (`xform-error`: the logits held through the
   next call are invalidated, as reduce-overhead does, not copied out). Peers here also: Lightning
   Thunder's ThunderFX (`thunder`) and ThunderFX with Thunder's own CUDA graphs
@@ -15,10 +17,12 @@ after another on the same GPU (memory runs several at a time with `--jobs`):
   `train-breaks-big` (the same at 8 x 1024 tokens: four times the activations). Inference at
   several batch sizes, each its own static graph (`dynamic=False`), as servers record them, 4
   rounds: `buckets` (8 layers, batch 1, 2, 4, 8 x 256 tokens) and `buckets-big` (16 layers, batch
-  1, 2, 4, 8, 16, 32 x 512 tokens).
+  1, 2, 4, 8, 16, 32 x 512 tokens), and both with the weights passed as arguments
+  (`buckets-weights`, `buckets-big-weights`), which CUDA Graph Trees copy into their pool.
 
     python bench/cudagraphs.py [--out DIR] [--only decode]   # all of it, or part (needs a CUDA GPU)
     python bench/cudagraphs.py --only memory --jobs 6        # memory runs 6 processes at a time
+    python bench/cudagraphs.py --only memory:train --where   # also what was allocated at each peak
     python bench/cudagraphs.py --only sync:1:xform,sync:1:reduce  # those configurations
     python bench/cudagraphs.py --one decode:sync:1:xform     # one configuration, prints its JSON
     python bench/cudagraphs.py --only decode:plain:8 --processes 5  # 5 processes each, alternating
@@ -313,7 +317,7 @@ def main() -> None:
                              "time between kernels (not part of the timed runs)")
     parser.add_argument("--where", action="store_true",
                         help="memory runs record the allocator's history (bench/memory_peak.py) and report what "
-                             "was allocated, by pool and by where in the code, when the reserved total peaked")
+                             "was allocated, by stream and by where in the code, when the reserved total peaked")
     args = parser.parse_args()
     if args.kernels:
         os.environ[KERNELS_ENV] = "1"

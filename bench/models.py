@@ -179,4 +179,3 @@ class WeightsAsInputs(nn.Module):
 def plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters of `model` as plain tensors over the same memory (`detach`: no copy)."""
     return {name: p.detach() for name, p in model.named_parameters()}
-
