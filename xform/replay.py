@@ -113,9 +113,10 @@ def _pool_blocks(pool: Any) -> list[tuple[int, int, bool]]:
 
 @contextlib.contextmanager
 def _no_cublas_workspace_kept() -> Iterator[None]:
-    """cuBLAS keeps a workspace per stream (32 MiB each for cuBLAS and cuBLASLt on the H100),
-    allocated by the first GEMM: one made during a warm-up or a recording would stay allocated in
-    the pool for good (measured: 64 MiB of xform's pool alive at the peak of a training step).
+    """cuBLAS keeps its workspaces per stream until they are cleared, allocated by the first GEMMs
+    on the stream: those made during a warm-up or a recording would stay allocated in the pool for
+    good (measured on the H100: two blocks of 32 MiB alive in xform's pool at the peak of a
+    training step).
     Cleared before, so that the one used here is allocated in the pool, and after, so that it is
     freed there (as CUDA Graph Trees do). A recording still writes its workspace's memory when it
     replays: it lies in the pool ranges the recording writes, so a handout left there is moved
