@@ -34,7 +34,7 @@ from common import (Skipped, cuda_ms, inductor_option, print_table, release_comp
 from models import DecoderLayer, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402
-from xform.linear_layers import tensor_bytes  # noqa: E402
+from xform.transforms.linear_layers import tensor_bytes  # noqa: E402
 from xform.transforms import RECIPES, Quantize, QuantizeUnsupported  # noqa: E402
 
 TOKENS, DIM, HIDDEN = 8192, 4096, 14336

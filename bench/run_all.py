@@ -1,4 +1,4 @@
-"""Run every benchmark, each in a process of its own, and write docs/benchmarks.md's generated section.
+"""Run every benchmark, each in a process of its own, and write docs/benchmarks-history.md's generated section.
 
     python bench/run_all.py --out DIR                      # every benchmark, then render
     python bench/run_all.py --out DIR --only quantize_ffn,attention --quick
@@ -9,7 +9,7 @@ Each benchmark script runs in a subprocess of its own (so configurations share n
 caching allocator) and writes its JSON into `--out`; its output goes to `DIR/logs/<name>.log` and
 what became of it (ran, failed, skipped and why) to `DIR/run_all/<name>.json`. Then the results
 are rendered: a markdown section per benchmark (a table of its JSON rows) between the markers
-`<!-- run_all: begin -->` and `<!-- run_all: end -->` of docs/benchmarks.md (the hand-written
+`<!-- run_all: begin -->` and `<!-- run_all: end -->` of docs/benchmarks-history.md (the hand-written
 readings outside them are kept), and a bar chart per benchmark in docs/charts/<name>.png.
 `--quick` runs fewer configurations, repeats and sizes: a check that everything runs, not figures.
 
@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "benchmarks.md"
+DOCS = ROOT / "docs" / "benchmarks-history.md"
 BEGIN, END = "<!-- run_all: begin -->", "<!-- run_all: end -->"
 CELL_CHARS = 160
 RAN_ON = "Run on"  # a section's first line: when its results were measured, and where they were

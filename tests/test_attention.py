@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import xform
+from xform._torch import versions
 from xform.transforms import FlexAttention
 from models import AsModule, TransformerBlock
 
@@ -164,15 +165,11 @@ def test_pattern_matches_the_model_as_written_forward_and_backward(pattern):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"gradient of {name}")
 
 
-def _flex_cpu_reads_data_tensors() -> bool:
-    return torch.__version__ >= "2.13"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", [
     sdpa_causal, sdpa_sliding_window, hand_alibi, hand_softcap_gemma2,
     pytest.param(hand_document, marks=pytest.mark.skipif(
-        not _flex_cpu_reads_data_tensors(),
+        not versions.CPU_FLEX_LOWERS_DATA_MASKS,
         reason="torch 2.11's CPU flex kernel cannot lower a mask_mod that reads a data tensor (NoValidChoicesError)")),
 ], ids=lambda p: p.__name__)
 def test_inductor_cpu_kernels_for_inference(pattern):
@@ -257,7 +254,7 @@ def test_a_data_mask_of_ids_the_graph_computes_is_built_per_call_in_the_graph(mo
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _flex_cpu_reads_data_tensors(),
+@pytest.mark.skipif(not versions.CPU_FLEX_LOWERS_DATA_MASKS,
                     reason="torch 2.11's CPU flex kernel cannot lower a mask_mod that reads a data tensor")
 def test_a_reused_block_mask_is_rebuilt_by_inductor_when_the_ids_change():
     q, k, v, extra = inputs(requires_grad=False)
@@ -605,10 +602,11 @@ def test_a_data_mask_without_a_backward_is_left_under_inductor_on_cuda_where_oth
     pytorch#181800): under Inductor on CUDA such a site stays as written unless the graph has a
     backward, or the ids are an input only the mask reads (the block mask is then built before the
     call, as by hand). The CUDA rule is applied here on the CPU, in the place of the CPU's own."""
-    import xform.transforms.attention as attention
+    import xform.transforms.attention.transform as attention
+    from xform.transforms.attention.refusals import inductor_cuda_refusal
 
     monkeypatch.setattr(attention.FlexAttention, "_device_refusal",
-                        lambda self, site, graph, replaced: attention._inductor_cuda_refusal(site, graph, replaced))
+                        lambda self, site, graph, replaced: inductor_cuda_refusal(site, graph, replaced))
     q, k, v, extra = inputs(requires_grad)  # leaves needing a gradient, called under no_grad: no backward
     extra["starts"] = torch.rand(B, S) < 0.05
     model = AsModule(pattern)  # a module of its own: a function's report gathers every compile of it
@@ -650,7 +648,8 @@ def test_auto_on_a_gpu_without_flash_says_why_it_took_triton():
     from torch import fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from xform.transforms.attention import AttentionSite, flash_import_error
+    from xform.transforms.attention import flash_import_error
+    from xform.transforms.attention.match import AttentionSite
 
     with FakeTensorMode():
         q = torch.empty(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
@@ -672,7 +671,7 @@ def sdpa_with_mask(q, k, v, mask):
 
 def _sdpa_sites(fn, *args) -> list:
     """The SDPA sites Dynamo's graph of `fn(*args)` holds, as the transform finds them."""
-    from xform.transforms.attention import match_sdpa
+    from xform.transforms.attention.match import match_sdpa
 
     sites: list = []
 
@@ -688,7 +687,7 @@ def _sdpa_sites(fn, *args) -> list:
 def test_flash_is_not_taken_for_tensors_its_mods_read_wrong():
     # measured on the H100: a float mask added per query and key gave NaN with Flash, and a tensor read
     # along a broadcast dim (Hugging Face's [B, 1, Q, KV]) did not compile: auto takes Triton, and says why
-    from xform.transforms.attention import _flash_unsafe_read
+    from xform.transforms.attention.refusals import _flash_unsafe_read
 
     q = torch.randn(2, 4, 64, 16)
     for bias in (torch.zeros(2, 1, 64, 64), torch.zeros(2, 4, 64, 64)):

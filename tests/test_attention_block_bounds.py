@@ -187,7 +187,7 @@ def test_inductor_cpu_kernel_with_the_bounded_block_mask_matches_the_model_as_wr
 @pytest.mark.slow
 def test_the_cpu_kernel_reads_the_block_mask(monkeypatch):
     """Not vacuous: with every block marked full (the mask_mod skipped), the output is wrong."""
-    from xform.transforms import attention
+    from xform.transforms.attention import block_masks as attention
 
     def all_full(masks, buffers, sizes, device, mask_mod):
         from torch.nn.attention.flex_attention import create_block_mask

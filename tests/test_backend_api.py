@@ -153,6 +153,28 @@ def test_thunder_handoff_where_thunder_does_not_import_falls_back_to_inductor(mo
                               "does not import here")
 
 
+def test_a_thunder_fallback_is_inductor_to_the_transforms(monkeypatch):
+    """The fallback's report label says why Inductor runs; its kind is Inductor's, so the transforms'
+    Inductor-only refusals apply (before, the label hid the kind: Inductor crashed with KeyError
+    float8_e8m0fnu on a recipe it refuses by name)."""
+    from xform.handoff import ThunderHandoff
+    from xform.transforms import QuantizeUnsupported
+
+    def no_thunder(self):
+        raise ValueError("xform: handoff='thunder' needs lightning-thunder, which does not import here (simulated)")
+
+    monkeypatch.delenv("XFORM_STRICT", raising=False)
+    monkeypatch.setattr(ThunderHandoff, "__init__", no_thunder)
+    backend = xform.Backend(["quantize:mxfp8-inference"], handoff="thunder")
+    assert backend.pipeline.handoff.kind == "inductor"
+    assert backend.pipeline.handoff.label.startswith("inductor (instead of thunder: ")
+    model = nn.Sequential(nn.Linear(128, 128)).to(torch.bfloat16)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        torch.compile(model, backend=backend)(torch.randn(4, 128, dtype=torch.bfloat16))
+    assert isinstance(raised.value.inner_exception, QuantizeUnsupported)
+    assert "Inductor does not compile torchao's emulated MX path on CPU" in str(raised.value.inner_exception)
+
+
 def test_thunder_handoff_where_thunder_does_not_import_is_an_error_in_strict_mode(monkeypatch):
     _skip_if_thunder_imports()
     monkeypatch.setenv("XFORM_STRICT", "1")

@@ -13,7 +13,7 @@ def test_the_state_at_the_peak_is_the_one_reported_not_the_end():
                       "blocks": [{"size": GIB // 2, "state": "active_allocated"},
                                  {"size": GIB // 2, "state": "inactive"}]}]
     graph = [_frame("/x/torch/cuda/graphs.py", 1, "capture"), _frame("/tmp/inductor/ab.py", 40, "call"),
-             _frame("/repo/xform/replay.py", 200, "record")]
+             _frame("/repo/xform/transforms/cudagraphs/replay.py", 200, "record")]
     trace = [
         {"action": "segment_alloc", "addr": 2 * GIB, "size": GIB, "stream": 7},
         {"action": "alloc", "addr": 2 * GIB, "size": GIB // 4, "stream": 7, "frames": graph},

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import xform
-import xform.transforms.cudagraphs as cudagraphs
+import xform.transforms.cudagraphs.transform as cudagraphs
 from corpus import random_model
 from test_cudagraphs import SimulatedRecorder
 

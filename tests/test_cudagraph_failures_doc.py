@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import xform
-import xform.transforms.cudagraphs as cudagraphs
+import xform.transforms.cudagraphs.transform as cudagraphs
 from xform.transforms import CudaGraphs
 
 from models import AsModule

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
+import networkx as nx
 import pytest
 import torch
 from torch import fx, nn
@@ -22,13 +23,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import xform
-import xform.handouts
-import xform.transforms.cudagraphs as cudagraphs
-from xform.capture_safety import find_breaks
-from xform.fxgraph import quotient_is_acyclic, to_digraph
-from xform.regions import plan_regions
-from xform.handouts import handouts, merge_ranges
-from xform.replay import GraphedFunction, Recorded, unowned_view
+import xform.transforms.cudagraphs.transform as cudagraphs
+from xform._torch import memory, versions
+from xform.transforms.cudagraphs.capture_safety import find_breaks
+from xform.transforms.cudagraphs.pool_outputs import handouts, merge_ranges
+from xform.transforms.cudagraphs.recorder import Recorded, unowned_view
+from xform.transforms.cudagraphs.regions import plan_regions
+from xform.transforms.cudagraphs.replay import GraphedFunction
 from xform.transforms import CudaGraphs
 
 
@@ -153,11 +154,21 @@ def _traced(fn):
     return fx.symbolic_trace(fn)
 
 
+def _regions_run_in_some_order(gm, regions):
+    """The oracle, independent of the partitioner: contracting each region into one node leaves
+    the graph's data edges acyclic."""
+    block = {n: i for i, r in enumerate(regions) for n in r.nodes}
+    contracted = nx.DiGraph()
+    contracted.add_nodes_from(block.get(n, n) for n in gm.graph.nodes)
+    contracted.add_edges_from((block.get(a, a), block.get(n, n)) for n in gm.graph.nodes for a in n.all_input_nodes
+                              if block.get(a, a) != block.get(n, n))
+    return nx.is_directed_acyclic_graph(contracted)
+
+
 def _plan(gm, unsafe_names, min_ops=1):
     unsafe = {n for n in gm.graph.nodes if n.name in unsafe_names}
     plan = plan_regions(gm, unsafe, min_ops)
-    dag = to_digraph(gm.graph)
-    assert quotient_is_acyclic(dag, [r.nodes for r in plan.regions])
+    assert _regions_run_in_some_order(gm, plan.regions)
     return [(r.kind, {n.name for n in r.nodes}) for r in plan.regions]
 
 
@@ -290,7 +301,7 @@ def test_saved_tensors_and_gradients_survive_later_replays(recorder):
 def test_without_swapping_storages_a_held_output_in_the_way_runs_the_call_uncaptured(recorder, monkeypatch):
     # torch < 2.13 cannot repoint a storage the allocator does not own: the call that would write
     # over a held output runs uncaptured, and its graph copies its outputs out from then on
-    monkeypatch.setattr(xform.handouts, "SWAPS", False)
+    monkeypatch.setattr(versions, "STORAGE_SWAPS_DATA_PTR", False)
     model, transform = mlp().eval(), CudaGraphs(min_region_ops=1)
     step = compiled(model, transform)
     x = torch.randn(4, 8)
@@ -317,9 +328,9 @@ def test_stale_outputs_error_invalidates_a_held_output_instead_of_copying_it(rec
     # but invalidated (on a CUDA build reading it then raises the message: test_cudagraphs_gpu.py),
     # with no uncaptured call on either torch; an output fed back as the next call's input is
     # treated as with stale_outputs="copy": the call reads it
-    monkeypatch.setattr(xform.handouts, "SWAPS", swaps)
+    monkeypatch.setattr(versions, "STORAGE_SWAPS_DATA_PTR", swaps)
     invalidated = []
-    monkeypatch.setattr(xform.handouts, "invalidate", lambda storage, message: invalidated.append(message))
+    monkeypatch.setattr(memory, "invalidate", lambda storage, message: invalidated.append(message))
     model, transform = mlp().eval(), CudaGraphs(min_region_ops=1, stale_outputs="error")
     step = compiled(model, transform)
     x = torch.randn(4, 8)
@@ -348,7 +359,7 @@ def test_stale_outputs_error_trains_as_eagerly_when_nothing_is_held_across_steps
     # replay: with stale_outputs="error" nothing is invalidated, nothing moved, and a layer's
     # backward still reads what its forward saved, after the other layer replayed
     invalidated = []
-    monkeypatch.setattr(xform.handouts, "invalidate", lambda storage, message: invalidated.append(message))
+    monkeypatch.setattr(memory, "invalidate", lambda storage, message: invalidated.append(message))
     model, transform = nn.Sequential(Layer(), Layer()), CudaGraphs(min_region_ops=1, stale_outputs="error")
     step = compiled(model, transform)
     for _ in range(4):
@@ -505,7 +516,7 @@ def test_a_consumed_input_the_caller_still_holds_keeps_its_values(recorder, monk
     # recorded while nothing else held y, the graph writes over y's memory after its last read; a
     # later caller holding y gets it moved out first (or, where storages cannot be repointed, the
     # call runs uncaptured)
-    monkeypatch.setattr(xform.handouts, "SWAPS", swaps)
+    monkeypatch.setattr(versions, "STORAGE_SWAPS_DATA_PTR", swaps)
     first, second = _plus_one_then_twice(recorder)
     for _ in range(3):
         _chain(first, second, torch.randn(8))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import xform
-import xform.handouts
+from xform._torch import versions
 from xform.transforms import CudaGraphs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,7 +57,7 @@ def test_held_outputs_are_never_overwritten_and_only_held_ones_are_copied():
     inputs = [torch.randn(8, 64, device="cuda") for _ in range(7)]
     with torch.no_grad():
         step(inputs[0]), step(inputs[1])  # warm-up, recording
-        # the recording cleared cuBLAS's workspaces (xform.replay): an eager GEMM allocates this
+        # the recording cleared cuBLAS's workspaces (xform.transforms.cudagraphs.recorder): an eager GEMM allocates this
         # stream's again before the count, as the uncaptured calls below would
         model(inputs[0])
         torch.cuda.synchronize()
@@ -69,7 +69,7 @@ def test_held_outputs_are_never_overwritten_and_only_held_ones_are_copied():
             torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
         nbytes = [o.untyped_storage().nbytes() for o in outputs]
         stats = transform.functions[0].stats
-        if xform.handouts.SWAPS:
+        if versions.STORAGE_SWAPS_DATA_PTR:
             # each replay's output is handed out in the pool; the next replay moves the one before
             # out of its way (an ordinary allocation): all but the last are copies
             assert grown == sum(nbytes[:-1]) and stats.moved_bytes == sum(nbytes[:-1])
@@ -80,7 +80,7 @@ def test_held_outputs_are_never_overwritten_and_only_held_ones_are_copied():
         del outputs
         for x in inputs:  # read, then dropped: nothing in the way, nothing to move
             torch.testing.assert_close(step(x), model(x), atol=1e-4, rtol=1e-4)
-    assert stats.replays == (6 if xform.handouts.SWAPS else 2) + 7 and stats.recordings == 1
+    assert stats.replays == (6 if versions.STORAGE_SWAPS_DATA_PTR else 2) + 7 and stats.recordings == 1
 
 
 def test_stale_outputs_error_makes_reading_an_overwritten_output_raise_and_copies_nothing():
@@ -220,7 +220,7 @@ def test_a_transformer_layer_trains_through_replays_as_eagerly():
     # `got = step(x)` holds the last output through the next call: torch >= 2.13 moves it out of
     # the way; before, that call runs uncaptured once and the forward copies out from then on
     assert all(s.fallback is None and s.replays + s.uncaptured_calls == 3 for s in stats)
-    assert all(s.replays == 3 for s in stats) or not xform.handouts.SWAPS
+    assert all(s.replays == 3 for s in stats) or not versions.STORAGE_SWAPS_DATA_PTR
 
 
 def test_a_host_read_inside_the_graph_splits_it_into_regions(request):

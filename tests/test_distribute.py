@@ -17,7 +17,7 @@ from torch import nn
 
 import xform
 from distributed.train import TinyLM
-from xform.sharding import ShardedParameter, ShardSpec, cut, is_local
+from xform.transforms.distribute.sharding import ShardedParameter, ShardSpec, cut, is_local
 from xform.transforms import Distribute
 
 TRAIN = Path(__file__).resolve().parent / "distributed" / "train.py"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import xform
-from xform import functorch_state
-from xform.functorch_state import functorch_on
+from xform._torch import functorch as functorch_state
+from xform._torch.functorch import functorch_on
 from test_attention_gpu import causal, document  # the GPU tests' patterns, here on the CPU
 
 STALE = "this tensor is an output of the CUDA graph of inference 0, and a later replay wrote over its memory"

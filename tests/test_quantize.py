@@ -14,7 +14,7 @@ from torch import nn
 
 import xform
 from xform.transforms import RECIPES, Quantize, QuantizeUnsupported
-from xform.split_amax import SplitAmaxPairs
+from xform.transforms.quantize.split_amax import SplitAmaxPairs
 
 # recipe -> (handoff it is tested with on CPU, min output SQNR dB, min gradient SQNR dB)
 # Thresholds sit a few dB under what torch 2.13 / torchao 0.18 and torch 2.11 / torchao 0.17 measure.
@@ -121,7 +121,7 @@ def test_mxfp8_inference_with_inductor_on_cpu_is_refused_with_the_way_out():
 
 @pytest.mark.parametrize("recipe, ratio", [("float8-weight-only", 1.9), ("nvfp4-weight-only", 3.4)])
 def test_parameter_bytes_drop(recipe, ratio):
-    from xform.linear_layers import tensor_bytes
+    from xform.transforms.linear_layers import tensor_bytes
 
     model = nn.Sequential(nn.Linear(512, 1024, bias=False), nn.GELU(), nn.Linear(1024, 512, bias=False)).bfloat16()
     before = sum(tensor_bytes(p) for p in model.parameters())
@@ -174,9 +174,9 @@ def test_training_recipe_steps_an_optimizer():
 
 def test_a_training_recipe_first_compiled_under_no_grad(monkeypatch):
     """Evaluating a model before training it: the recipe's probe (a backward) still runs."""
-    import xform.transforms.quantize as quantize
+    import xform.transforms.quantize.recipes as quantize
 
-    monkeypatch.setattr(quantize, "_cached_plan", functools.lru_cache(maxsize=None)(quantize._cached_plan.__wrapped__))
+    monkeypatch.setattr(quantize, "cached_plan", functools.lru_cache(maxsize=None)(quantize.cached_plan.__wrapped__))
     model = ffn()
     x = torch.randn(64, 128, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -300,12 +300,12 @@ def test_a_recipe_whose_torchao_module_raises_on_import_is_refused_with_the_reas
     recipe and torchao's error, not a crash (it had stopped a whole pytest collection)."""
     import dataclasses
 
-    import xform.transforms.quantize as quantize
+    import xform.transforms.quantize.recipes as quantize
 
     def broken_import(device, handoff):
         raise ModuleNotFoundError("No module named 'cutlass.base_dsl._mlir_helpers'")
 
-    monkeypatch.setattr(quantize, "_cached_plan", functools.lru_cache(maxsize=None)(quantize._cached_plan.__wrapped__))
+    monkeypatch.setattr(quantize, "cached_plan", functools.lru_cache(maxsize=None)(quantize.cached_plan.__wrapped__))
     monkeypatch.setitem(quantize.RECIPES, "float8-rowwise",
                         dataclasses.replace(quantize.RECIPES["float8-rowwise"], plan=broken_import))
     with pytest.raises(QuantizeUnsupported, match=r"recipe 'float8-rowwise' does not run here .*torchao raised "
@@ -319,7 +319,7 @@ def test_a_recipe_with_a_costly_first_use_says_so_in_the_report(monkeypatch):
     a CPU recipe stands in for it here, and the GPU test reads the real note."""
     import dataclasses
 
-    import xform.transforms.quantize as quantize
+    import xform.transforms.quantize.recipes as quantize
 
     monkeypatch.setitem(quantize.RECIPES, "nvfp4-weight-only",
                         dataclasses.replace(quantize.RECIPES["nvfp4-weight-only"], first_use="autotunes for minutes"))
@@ -348,7 +348,7 @@ def test_torchao_inference_settings_reach_the_quantized_graphs_only():
 
 def test_rowwise_training_asks_inductor_for_its_settings_for_its_backends_graphs_only():
     # the row-wise gradient scales reduce over the strided dimension; nd tiling made the H200's FFN
-    # step 1.18x bf16 where Inductor's default gave 1.02x (docs/benchmarks.md); the amax pass keeps
+    # step 1.18x bf16 where Inductor's default gave 1.02x (docs/benchmarks-history.md); the amax pass keeps
     # the transposed casts out of the row reductions' kernels (tests/test_split_amax.py)
     import torch._inductor.config as inductor_config
 
@@ -396,7 +396,7 @@ def row_scales_reversed(a8, b8, a_scale, b_scale, out_dtype):
 
 
 def test_the_blockwise_probe_tells_a_right_gemm_from_one_that_misreads_the_scales():
-    from xform.scaled_mm_probe import RIGHT_DB, blockwise_sqnr
+    from xform.transforms.quantize.probe import RIGHT_DB, blockwise_sqnr
 
     cpu = torch.device("cpu")
     assert blockwise_sqnr(cpu, blockwise_scaled_mm) >= 25.0
@@ -407,8 +407,8 @@ def test_the_blockwise_probe_tells_a_right_gemm_from_one_that_misreads_the_scale
 def test_float8_blockwise_is_refused_where_torchs_blockwise_gemm_computes_wrong(monkeypatch):
     """On the H200 with torch 2.11 (2026-12-07) torchao's blockwise module gave 3 dB against bf16, its
     gradients -inf: torch._scaled_mm misread the block scales. The probe's verdict refuses the recipe."""
-    import xform.transforms.quantize as quantize
-    from xform.scaled_mm_probe import blockwise_gemm_error
+    import xform.transforms.quantize.recipes as quantize
+    from xform.transforms.quantize.probe import blockwise_gemm_error
 
     monkeypatch.setattr(torch, "_scaled_mm", scales_ignored)
     wrong = blockwise_gemm_error.__wrapped__(torch.device("cpu"))
@@ -424,7 +424,7 @@ def test_float8_blockwise_is_refused_where_torchs_blockwise_gemm_computes_wrong(
 
 def test_the_blockwise_probe_reports_torchs_refusal_of_the_layout():
     """The CPU's torch._scaled_mm takes no block scales: said as such, not raised."""
-    from xform.scaled_mm_probe import blockwise_gemm_error
+    from xform.transforms.quantize.probe import blockwise_gemm_error
 
     assert blockwise_gemm_error.__wrapped__(torch.device("cpu")).startswith(
         "torch._scaled_mm refused 1x128/128x128 block scales (Invalid scaling configuration.")

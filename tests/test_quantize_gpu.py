@@ -92,7 +92,7 @@ def test_quantize_composes_with_flex_attention_and_cudagraphs(recipe, out_db, gr
 
 
 def test_rowwise_amax_pass_rewrites_the_swiglu_backward_and_loses_no_accuracy():
-    """xform/split_amax.py on the pattern it is for: a SwiGLU trained in float8-rowwise, whose backward
+    """xform/transforms/quantize/split_amax.py on the pattern it is for: a SwiGLU trained in float8-rowwise, whose backward
     reduces both gradients of the SwiGLU by rows and by columns. The weights' gradients are the same bit
     for bit (H100, 2026-12-05); the input's gradient is not: it differed from the one without the pass
     by a relative norm of 0.024 (H100, 2026-12-06; the casts compute the SwiGLU gradient in another

@@ -1,11 +1,11 @@
-"""xform.reused_inputs on its own: what counts as an unchanged input, and the Inductor recompute."""
+"""xform.transforms.attention.reused_inputs on its own: what counts as an unchanged input, and the Inductor recompute."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from xform.reused_inputs import ReusedComputation
+from xform.transforms.attention.reused_inputs import ReusedComputation
 
 
 def make(compile_with_inductor: bool = False) -> tuple[ReusedComputation, list[int]]:

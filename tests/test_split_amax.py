@@ -1,4 +1,4 @@
-"""The two-stage amax pass of float8-rowwise (xform/split_amax.py): what it rewrites, what it leaves,
+"""The two-stage amax pass of float8-rowwise (xform/transforms/quantize/split_amax.py): what it rewrites, what it leaves,
 and that it changes no value, on its own and under Inductor."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from xform.split_amax import SplitAmaxPairs, split_amax_pairs
+from xform.transforms.quantize.split_amax import SplitAmaxPairs, split_amax_pairs
 
 aten = torch.ops.aten
 

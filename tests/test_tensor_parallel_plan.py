@@ -1,4 +1,4 @@
-"""Tensor parallelism's graph analysis (`xform.tp_plan`), on CPU in one process: which Linear layers
+"""Tensor parallelism's graph analysis (`xform.transforms.distribute.tp_plan`), on CPU in one process: which Linear layers
 become column- and row-parallel, with which layout, and why the others stay replicated. The
 multi-process runs that train with the resulting cuts are in test_distribute.py."""
 
@@ -13,9 +13,10 @@ from torch import nn
 
 import xform
 from models import TiedLM, TransformerBlock
-from xform.dynamo_frame import calling_module_path
-from xform.tp_plan import TensorParallelPlan, plan_tensor_parallel, view_groups
-from xform.tp_rewrite import linear_refusal
+from xform._torch.dynamo import calling_module_path
+from xform.transforms.distribute.tp_plan import plan_tensor_parallel
+from xform.transforms.distribute.tp_rewrite import linear_refusal
+from xform.transforms.distribute.tp_shardings import TensorParallelPlan, view_groups
 
 
 class PlanProbe(xform.Transform):

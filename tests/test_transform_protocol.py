@@ -133,7 +133,7 @@ def test_a_transform_listed_twice_is_refused():
 
 def test_aot_hooks_with_a_handoff_that_has_no_aot_graphs():
     class FakeThunder:
-        name = "thunder"
+        kind = label = "thunder"
         supports_aot_hooks = False
 
     with pytest.raises(ValueError, match=r"transform\(s\) \['recorder'\] work on AOTAutograd graphs, which "

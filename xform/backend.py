@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import fx, nn
 
+from xform._torch.dynamo import DYNAMO_SIGNALS, DynamoFrame, current_compile_id
+from xform._torch.functorch import functorch_on
 from xform.captured import CapturedGraph
-from xform.dynamo_frame import DynamoFrame
-from xform.functorch_state import functorch_on
 from xform.handoff import make_handoff
 from xform.log import logger
-from xform.pipeline import DYNAMO_SIGNALS, Pipeline
+from xform.pipeline import Pipeline
 from xform.report import GraphRecord, records
 from xform.transform import Transform
 
@@ -87,13 +87,13 @@ class Backend:
         frame = DynamoFrame.current()
 
         def make_graph() -> CapturedGraph:
-            return CapturedGraph(gm, example_inputs, frame, self.pipeline.handoff.name)
+            return CapturedGraph(gm, example_inputs, frame, self.pipeline.handoff.kind)
 
         graph = make_graph()
         record = GraphRecord(
             graph=_compile_id(),
             code=_traced_name(graph),
-            handoff=self.pipeline.handoff.name,
+            handoff=self.pipeline.handoff.label,
             nodes_before=graph.node_count(),
         )
         _register(record, graph)
@@ -110,10 +110,8 @@ class Backend:
 
 
 def _compile_id() -> str:
-    from torch._guards import CompileContext
-
-    compile_id = CompileContext.current_compile_id()
-    return str(compile_id) if compile_id is not None else f"fx-{next(_outside_dynamo)}"
+    compile_id = current_compile_id()
+    return compile_id if compile_id is not None else f"fx-{next(_outside_dynamo)}"
 
 
 def _traced_name(graph: CapturedGraph) -> str:

@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor
 
-from xform.dynamo_frame import DynamoFrame, ModuleAttribute, module_attribute, placeholder_source, update_placeholder
+from xform._torch.dispatch import FakeTensor
+from xform._torch.dynamo import (DynamoFrame, ModuleAttribute, constant_source, module_attribute, placeholder_source,
+                                 update_placeholder)
 from xform.fx_rewrite import fake_like
 from xform.guards import GuardChange, GuardModel, TensorExpectation
 
+if TYPE_CHECKING:
+    from xform.handoff import HandoffKind
+
 
 DerivedInputs = Callable[[tuple], tuple]  # a call's inputs (as Dynamo passes them) -> the tensors xform adds
-
-
-def _restore_grapharg(grapharg: Any, saved: tuple[Any, Any, Any]) -> None:
-    grapharg._example, grapharg.example_strong_ref, grapharg.fake_tensor = saved
 
 
 def _own_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -64,9 +64,9 @@ class CapturedGraph:
     """A Dynamo graph plus what transforms need to change it consistently."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], frame: DynamoFrame | None,
-                 handoff: str = "inductor") -> None:
+                 handoff: HandoffKind = "inductor") -> None:
         self.gm = _own_copy(gm)  # Dynamo keeps reading its graph after the backend returns: edit a copy
-        self.handoff = handoff  # where the graph goes next: transforms may depend on what it can compile
+        self.handoff = handoff  # the kind of handoff the graph goes to next: transforms may depend on what it compiles
         self.example_inputs = list(example_inputs)
         self.frame = frame
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -161,11 +161,7 @@ class CapturedGraph:
     def _adopt(self, param: GraphParameter, new: torch.Tensor, *, by: str, placement: str | None = None) -> GuardChange:
         """Make the graph and its guards expect `new`, which the model already holds where `param` was."""
         self.example_inputs[param.index] = new
-        grapharg = param.node.meta.get("grapharg")
-        if grapharg is not None:  # shared with Dynamo's own graph: put it back on undo
-            saved = (grapharg._example, grapharg.example_strong_ref, grapharg.fake_tensor)
-            self.on_undo(lambda: _restore_grapharg(grapharg, saved))
-        update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new))
+        self.on_undo(update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new)))
         if self.frame is not None:
             self.frame.register_replacement(self._sources[param.source], new)
         param.tensor = new
@@ -231,9 +227,7 @@ class CapturedGraph:
         self.placeholders.append(node)
         self.example_inputs.append(tensor)
         if self.frame is not None:
-            from torch._dynamo.source import ConstantSource
-
-            self.frame.register_replacement(ConstantSource(f"xform_{name}"), tensor)
+            self.frame.register_replacement(constant_source(f"xform_{name}"), tensor)
         return node
 
     def modules_replaced_by(self, transform: str) -> list[nn.Module]:

@@ -38,11 +38,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
 
 import xform
-import xform.transforms.cudagraphs as cudagraphs_module
+import xform.transforms.cudagraphs.transform as cudagraphs_module
+from xform._torch.dispatch import FakeTensorMode
+from xform._torch.dynamo import DynamoError
+from xform._torch.pytree import tree_map
 from xform.backend import Backend
 from xform.registry import resolve
 from xform.report import Report, Skip
@@ -164,7 +165,7 @@ def parse_specs(text: str) -> list[str]:
 
 def trace_transforms(example: Example, specs: list[str]) -> Report:
     """Pass 1: one call of the real model on the CPU, compiled with `specs` and handoff eager."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(example.model, backend=Backend(specs, handoff="eager"))
     with torch.set_grad_enabled(example.model.training):
         _call(compiled, example)
@@ -235,14 +236,14 @@ def trace_cuda_graphs(example: Example, spec: str) -> Report:
     """Pass 2: one call traced on the stand-in device with the cudagraphs transform alone."""
     transform = resolve(spec)
     transform.warmup = sys.maxsize  # every call is a warm-up: nothing to record
-    torch._dynamo.reset()
+    torch.compiler.reset()
     mode = _NoValuesMode(allow_non_fake_inputs=True)
     fake = to_stand_in(example, mode)
     compiled = torch.compile(fake.model, backend=Backend([transform], handoff="eager"))
     with _planning_on_the_stand_in(), mode, torch.set_grad_enabled(fake.model.training):
         try:
             _call(compiled, fake)
-        except torch._dynamo.exc.TorchDynamoException as error:
+        except DynamoError as error:
             raise ExplainError(
                 f"the CUDA-graph trace failed on CUDA's stand-in (PyTorch's meta device): {type(error).__name__}: "
                 f"{str(error).strip().splitlines()[0]} ... A few things that work on a GPU fail there: Dynamo keeps "

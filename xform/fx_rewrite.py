@@ -1,15 +1,18 @@
 """Small edits on a Dynamo FX graph that keep its nodes' example values (`meta["example_value"]`)
-filled in, so later transforms can read the dtype and shape of every node they insert."""
+filled in, so later transforms can read the dtype and shape of every node they insert; and how a
+report names a node: its op, and the user's line that made it."""
 
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten, tree_map
+
+from xform._torch.dispatch import DisableTorchFunctionSubclass, FakeTensor, OpOverload, OpOverloadPacket, is_mutable
+from xform._torch.pytree import tree_flatten, tree_map
 
 
 def example_value(node: Any) -> Any:
@@ -35,7 +38,7 @@ def insert_call(graph: fx.Graph, op: str, target: Any, args: tuple[Any, ...],
     fakes = [v for v in tree_flatten((values, kw_values))[0] if isinstance(v, FakeTensor)]
     if not fakes:
         raise ValueError(f"xform: cannot insert {target} with no traced tensor among its arguments")
-    with fakes[0].fake_mode, torch._C.DisableTorchFunctionSubclass():
+    with fakes[0].fake_mode, DisableTorchFunctionSubclass():
         fn = getattr(values[0], target) if op == "call_method" else target
         node.meta["example_value"] = fn(*(values[1:] if op == "call_method" else values), **kw_values)
     return node
@@ -47,21 +50,41 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.ima
 _SIDE_EFFECTS = {print, setattr, "__setitem__", "record_stream", "backward", "retain_grad", "register_hook"}
 
 
-def op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node, *, as_written: bool = False) -> str:
     """The op a node runs, as a report names it: 'transpose', 'bmm', 'linear', or a custom op with its
-    namespace ('transformers.grouped_mm_fallback'), which says whose op it is."""
-    if isinstance(node.target, str):
-        return node.target
-    if isinstance(node.target, torch._ops.OpOverloadPacket):
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
+    namespace ('transformers.grouped_mm_fallback'), which says whose op it is. `as_written`: as the
+    user wrote it, which says where to look: `Tensor.item`, `torch.nonzero`, `aten.nonzero.default`,
+    `module fc`."""
+    target = node.target
+    if as_written and node.op in ("call_method", "call_module"):
+        return f"Tensor.{target}" if node.op == "call_method" else f"module {target}"
+    if isinstance(target, str):
+        return target
+    if isinstance(target, OpOverloadPacket) or (as_written and isinstance(target, OpOverload)):
+        return str(target)
+    name = getattr(target, "__name__", str(target))
+    module = getattr(target, "__module__", None) or ""
+    if as_written and module.startswith("torch") and not module.startswith("torch._"):
+        return f"{module}.{name}"
+    return name
+
+
+def user_source(node: fx.Node) -> str | None:
+    """The innermost frame of the node's stack trace: `file.py:LINE in FUNCTION: CODE`."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    if not frames:
+        return None
+    path, line, function, code = frames[-1]
+    function = re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", function)  # the code after a graph break
+    return f"{path.rsplit('/', 1)[-1]}:{line} in {function}: {code.strip()}"
 
 
 def is_in_place(node: fx.Node) -> bool:
     """Whether the op writes into its first argument (add_, copy_, index_copy_, x[i] = v, a &= b)."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
+    if isinstance(target, OpOverload):
+        return is_mutable(target)
     if getattr(target, "__module__", None) == "_operator":  # operator.and_ is `a & b`; `a &= b` is iand
         return target in _IN_PLACE_OPERATORS
     name = target if isinstance(target, str) else getattr(target, "__name__", "")

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from xform.dynamo_frame import DynamoFrame
+from xform._torch.dynamo import DynamoFrame
 
 
 def readable_source(name: str) -> str:

@@ -8,13 +8,17 @@ compilers for the eager handoff), so graphs without them keep every Inductor cac
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
-import torch
 from torch import fx
 
+from xform._torch import inductor
 from xform.faults import strict
 from xform.log import logger
+
+# what a handoff is, which transforms check (Inductor-only refusals, say); its `label` is what the
+# report shows, and may say more ("inductor (instead of thunder: ...)")
+HandoffKind = Literal["inductor", "eager", "thunder"]
 
 AotHook = Callable[[fx.GraphModule, str], None]
 # wraps one AOT-compiled function (boxed: takes a list) given its kind and the indices of its
@@ -27,22 +31,21 @@ def _aot_kind(is_backward: bool, is_inference: bool) -> str:
 
 
 class InductorHandoff:
-    """`torch._inductor.compile_fx`, with the config patches of `mode` and `options` applied."""
+    """Inductor's `compile_fx`, with the config patches of `mode` and `options` applied."""
 
-    name = "inductor"
+    kind: HandoffKind = "inductor"
     supports_aot_hooks = True
 
-    def __init__(self, options: dict[str, Any] | None = None, mode: str | None = None) -> None:
-        import torch._inductor
-
+    def __init__(self, options: dict[str, Any] | None = None, mode: str | None = None, label: str = "inductor") -> None:
+        self.label = label
         patches: dict[str, Any] = {}
         if mode not in (None, "default"):
             try:
-                patches.update(torch._inductor.list_mode_options(mode))
+                patches.update(inductor.mode_options(mode))
             except RuntimeError as error:
                 raise ValueError(f"xform: unknown torch.compile mode {mode!r}: {error}") from None
         if options:
-            known = torch._inductor.list_options()
+            known = inductor.option_names()
             unknown = sorted(set(options) - set(known))
             if unknown:
                 raise ValueError(
@@ -72,48 +75,45 @@ class InductorHandoff:
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None,
                 wrap_inner: InnerWrapper | None = None) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
         if aot_hook is None and wrap_inner is None:
-            return compile_fx(gm, example_inputs, config_patches=self.config_patches)
+            return inductor.compile_fx(gm, example_inputs, config_patches=self.config_patches)
 
         def inner_compile(aot_gm: fx.GraphModule, inputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
             kind = _aot_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
             if aot_hook is not None:
                 aot_hook(aot_gm, kind)
-            compiled = compile_fx_inner(aot_gm, inputs, *args, **kwargs)
+            compiled = inductor.compile_fx_inner(aot_gm, inputs, *args, **kwargs)
             return compiled if wrap_inner is None else wrap_inner(compiled, kind, kwargs.get("static_input_idxs", ()))
 
         # An AOTAutograd cache hit would skip inner_compile, and with it the hooks; Inductor's own
         # FX graph cache stays on, since it keys on the graph the hook already rewrote.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=self.config_patches)
+        with inductor.autograd_cache_off():
+            return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                                       config_patches=self.config_patches)
 
 
 class EagerHandoff:
     """Run the transformed graph as PyTorch code (through AOTAutograd only when an AOT hook needs it)."""
 
-    name = "eager"
+    kind: HandoffKind = "eager"
+    label = "eager"
     supports_aot_hooks = True
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None,
                 wrap_inner: InnerWrapper | None = None) -> Callable[..., Any]:
         if aot_hook is None and wrap_inner is None:
             return gm.forward
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
         def compiler(kind: str) -> Callable[..., Any]:
             def run(aot_gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 if aot_hook is not None:
                     aot_hook(aot_gm, kind)
                     aot_gm.recompile()
-                compiled = make_boxed_func(aot_gm.forward)
+                compiled = inductor.boxed(aot_gm.forward)
                 return compiled if wrap_inner is None else wrap_inner(compiled, kind, ())
 
             return run
 
-        backend = aot_autograd(
+        backend = inductor.aot_autograd(
             fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference")
         )
         return backend(gm, example_inputs)
@@ -122,7 +122,8 @@ class EagerHandoff:
 class ThunderHandoff:
     """Lightning Thunder's Dynamo backend (`thunder.dynamo.ThunderCompiler`), where it imports."""
 
-    name = "thunder"
+    kind: HandoffKind = "thunder"
+    label = "thunder"
     supports_aot_hooks = False
 
     def __init__(self) -> None:
@@ -160,7 +161,6 @@ def make_handoff(name: str, inductor_options: dict[str, Any] | None = None, mode
     except ValueError as error:
         if strict():
             raise
-        fallback = InductorHandoff()
-        fallback.name = f"inductor (instead of thunder: {error})"
+        fallback = InductorHandoff(label=f"inductor (instead of thunder: {error})")
         logger.warning("%s; compiling with Inductor instead (XFORM_STRICT=1 raises)", error)
         return fallback

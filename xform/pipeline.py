@@ -14,8 +14,8 @@ from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch import fx
-from torch._dynamo.exc import RestartAnalysis, SkipFrame, exceptions_allowed_to_be_fallback
 
+from xform._torch.dynamo import DYNAMO_SIGNALS
 from xform.captured import CapturedGraph
 from xform.faults import TransformFailed, strict, transform_failure
 from xform.handoff import Handoff, InductorHandoff
@@ -23,15 +23,6 @@ from xform.log import logger
 from xform.registry import resolve
 from xform.report import GraphRecord, TransformRecord
 from xform.transform import Transform
-
-
-# what Dynamo answers itself when a backend raises it, so it must reach Dynamo as it is, not as a
-# transform's or handoff's failure: its signals to restart or skip the analysis (a float read on the
-# host becoming a tensor, say), and the exceptions it breaks the graph on (an op whose output depends
-# on data under AOTAutograd's fake tensors, as a Mixture-of-Experts router's: wrapped, the whole
-# compile failed where torch.compile(backend="inductor") runs). Also from a transform that compiles
-# the graph itself (cudagraphs' compile_graph calls the handoff).
-DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame, *exceptions_allowed_to_be_fallback)
 
 PARAMETERS_NOT_INPUTS = (
     "the graph reads them as attributes of the graph module, not as inputs (a graph traced outside "
@@ -85,7 +76,7 @@ class Pipeline:
         needs_aot = [t.name for t in self.transforms if t.overrides("transform_aot_graph") or t.overrides("compile_graph")]
         if needs_aot and not handoff.supports_aot_hooks:
             raise ValueError(
-                f"xform: transform(s) {needs_aot} work on AOTAutograd graphs, which handoff={handoff.name!r} "
+                f"xform: transform(s) {needs_aot} work on AOTAutograd graphs, which handoff={handoff.label!r} "
                 f"does not produce; use handoff='inductor' or 'eager'"
             )
 
@@ -149,13 +140,13 @@ class Pipeline:
                 compiled = self.handoff.compile(graph.gm, graph.example_inputs, aot_hook)
         except DYNAMO_SIGNALS as error:
             logger.info("graph %s: handoff %r raised %s, which Dynamo handles itself (a restart or a graph "
-                        "break)", record.graph, self.handoff.name, type(error).__name__)
+                        "break)", record.graph, self.handoff.label, type(error).__name__)
             raise
         except Exception as error:
             if transform_failure(error) is not None:
                 raise
             raise RuntimeError(
-                f"xform: handoff {self.handoff.name!r} failed to compile graph {record.graph} after transforms "
+                f"xform: handoff {self.handoff.label!r} failed to compile graph {record.graph} after transforms "
                 f"{[t.name for t in transforms]}: {type(error).__name__}: {error}\n"
                 f"To tell a transform's bad graph from a handoff bug, compile with handoff='eager' "
                 f"(XFORM_LOG=debug prints the transformed graph)."

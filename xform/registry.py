@@ -2,6 +2,8 @@
 
 A transform class registers itself with `@register_transform`; its `from_spec(argument)` turns the
 part after the colon into a configured instance (and raises `ValueError` listing what it accepts).
+The built-in transforms register when `xform.transforms` is imported, which `import xform` does
+before anything can ask for a name; this module imports none of them.
 Names of transforms still being built are listed in `PLANNED`, so that asking for one says so
 plainly instead of pretending to work or reading as a typo.
 """
@@ -35,8 +37,6 @@ def register_transform(cls: T) -> T:
 
 def available_transforms() -> dict[str, str]:
     """Every accepted name, with what it is: the first docstring line, or when it is planned."""
-    import xform.transforms  # noqa: F401  (registers the built-in transforms)
-
     names = {n: f"not available yet: {why}" for n, why in PLANNED.items()}
     names.update({n: next(iter((c.__doc__ or "").strip().splitlines()), c.__name__) for n, c in _REGISTERED.items()})
     return dict(sorted(names.items()))
@@ -49,7 +49,6 @@ def _accepted() -> str:
 def parse_spec(spec: str) -> Transform:
     """`"name"` or `"name:argument"` -> a configured transform."""
     name, _, argument = spec.strip().partition(":")
-    available_transforms()
     if name in _REGISTERED:
         return _REGISTERED[name].from_spec(argument or None)
     if name in PLANNED:

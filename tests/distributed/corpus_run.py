@@ -32,7 +32,7 @@ from test_cudagraphs import SimulatedRecorder  # noqa: E402
 from test_quantize import sqnr  # noqa: E402
 
 import xform  # noqa: E402
-import xform.transforms.cudagraphs as cudagraphs  # noqa: E402
+import xform.transforms.cudagraphs.transform as cudagraphs  # noqa: E402
 from xform.transforms import CudaGraphs  # noqa: E402
 
 STEPS, LR = 3, 0.05

@@ -26,13 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from xform._torch.dispatch import DisableTorchFunctionSubclass, make_subclass
 from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import example_value, insert_call
-from xform.linear_layers import (
+from xform.transforms.linear_layers import (
+    LayerFilter,
     LinearLayer,
     dtype_name,
     format_bytes,
     is_linear,
+    layer_selector,
     linear_layers,
     linear_operands,
     other_reader_refusal,
@@ -41,7 +44,6 @@ from xform.linear_layers import (
 )
 from xform.registry import register_transform
 from xform.report import TransformRecord
-from xform.selection import LayerFilter, layer_selector
 from xform.transform import Transform, option_error
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -60,23 +62,23 @@ class LowPrecisionWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func is F.linear:
             return _linear_in_weight_dtype(*args, **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if func in _KEEPS_TYPE:
-            return torch.Tensor._make_subclass(cls, out, out.requires_grad)
+            return make_subclass(cls, out, out.requires_grad)
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LowPrecisionWeight:
         if id(self) not in memo:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 data = self.detach().clone()
-            copy = torch.Tensor._make_subclass(type(self), data, self.requires_grad)
+            copy = make_subclass(type(self), data, self.requires_grad)
             memo[id(self)] = nn.Parameter(copy, self.requires_grad) if isinstance(self, nn.Parameter) else copy
         return memo[id(self)]
 
 
 def _linear_in_weight_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         dtype = weight.dtype
         x = input if input.dtype == dtype else input.to(dtype)
         b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
