@@ -24,24 +24,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from xform._torch.dispatch import DisableTorchFunctionSubclass, make_subclass
 from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import example_value, insert_call
-from xform.transforms.linear_layers import (
-    LayerFilter,
-    LinearLayer,
-    dtype_name,
-    format_bytes,
-    is_linear,
-    layer_selector,
-    linear_layers,
-    linear_operands,
-    other_reader_refusal,
-    own_forward_refusal,
-    unchanged_layers,
-)
+from xform.transforms.linear_layers import (LayerFilter, LinearLayer, dtype_name, format_bytes, layer_selector,
+                                            linear_layers, other_reader_refusal, own_forward_refusal,
+                                            parameter_linear_calls, unchanged_layers)
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.transform import Transform, option_error
@@ -147,13 +137,9 @@ class Cast(Transform):
 
     def transform_graph(self, graph: CapturedGraph, record: TransformRecord) -> None:
         rewritten = 0
-        for node in list(graph.gm.graph.nodes):
-            if not is_linear(node):
-                continue
-            x, weight, bias = linear_operands(node)
-            param = graph.parameter_for(weight) if isinstance(weight, fx.Node) else None
+        for node, x, weight, bias, param in parameter_linear_calls(graph):
             x_value = example_value(x)
-            if param is None or not isinstance(param.tensor, LowPrecisionWeight) or x_value.dtype == param.tensor.dtype:
+            if not isinstance(param.tensor, LowPrecisionWeight) or x_value.dtype == param.tensor.dtype:
                 continue
             g = graph.gm.graph
             dtype = param.tensor.dtype

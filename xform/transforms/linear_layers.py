@@ -206,6 +206,18 @@ def linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
             args[2] if args[2] is not None else node.kwargs.get("bias"))
 
 
+def parameter_linear_calls(graph: CapturedGraph) -> Iterator[tuple[fx.Node, Any, fx.Node, Any, GraphParameter]]:
+    """Each `F.linear` call of the graph whose weight is one of the graph's parameters, as
+    (node, input, weight node, bias, the weight's parameter); the graph may be edited meanwhile."""
+    for node in list(graph.gm.graph.nodes):
+        if not is_linear(node):
+            continue
+        x, weight, bias = linear_operands(node)
+        param = graph.parameter_for(weight) if isinstance(weight, fx.Node) else None
+        if param is not None:
+            yield node, x, weight, bias, param
+
+
 def non_linear_reader(node: fx.Node, slot: int) -> fx.Node | None:
     """The first node reading `node` other than as operand `slot` (1 weight, 2 bias) of a linear
     call, looking through dtype casts; None if there is none."""

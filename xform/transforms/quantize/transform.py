@@ -25,26 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from xform.captured import CapturedGraph
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.transform import Transform, option_error
-from xform.transforms.linear_layers import (
-    LayerFilter,
-    LinearLayer,
-    dtype_name,
-    format_bytes,
-    is_linear,
-    layer_selector,
-    linear_layers,
-    linear_operands,
-    other_reader_refusal,
-    own_forward_refusal,
-    tensor_bytes,
-    unchanged_layers,
-)
+from xform.transforms.linear_layers import (LayerFilter, LinearLayer, dtype_name, format_bytes, layer_selector,
+                                            linear_layers, other_reader_refusal, own_forward_refusal,
+                                            parameter_linear_calls, tensor_bytes, unchanged_layers)
 from xform.transforms.quantize import recipes
 from xform.transforms.quantize.recipes import RECIPES, Device, Plan, Recipe, recipe_list
 
@@ -165,12 +154,8 @@ class Quantize(Transform):
         """Point each linear call of a swapped layer at the swapped module's forward."""
         swapped = graph.modules_replaced_by(self.name)
         rewritten = 0
-        for node in list(graph.gm.graph.nodes):
-            if not is_linear(node):
-                continue
-            x, weight, bias = linear_operands(node)
-            param = graph.parameter_for(weight) if isinstance(weight, fx.Node) else None
-            if param is None or not any(param.owner is module for module in swapped):
+        for node, x, weight, bias, param in parameter_linear_calls(graph):
+            if not any(param.owner is module for module in swapped):
                 continue
             g = graph.gm.graph
             with g.inserting_before(node):
