@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -152,3 +153,23 @@ def test_a_failure_says_where_it_was_raised_and_the_line_of_xform_on_the_way():
     where = raised_at(caught.value)
     assert re.fullmatch(r"raised at torch/\S+\.py:\d+ in \w+, from xform/fx_rewrite\.py:\d+ in insert_call",
                         where), where
+
+
+def test_a_dropped_transform_warns_once_per_model_and_heads_the_report():
+    """A model run without a transform asked for is loud: a TransformDropped warning, once per model
+    however many graphs dropped it, and the report's first line."""
+    from xform.faults import TransformDropped
+
+    model = mlp()
+    compiled = xform.compile(model, Broken(), handoff="eager", dynamic=False)
+    with pytest.warns(TransformDropped, match=r"xform: compiled without transform 'broken': xform's own code failed "
+                                              r"in transform_graph: KeyError: 'boom' .*XFORM_STRICT=1 raises instead"):
+        compiled(torch.randn(2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TransformDropped)
+        compiled(torch.randn(3, 16))  # a second graph (another batch size) drops it again: no second warning
+    assert len(xform.report(model).graphs) == 2
+    assert str(xform.report(model)).splitlines()[0] == (
+        "xform report: 2 graph(s); compiled WITHOUT 'broken': xform failed in it (FAILED below)")
+    with pytest.warns(TransformDropped):  # another model: warned again
+        xform.compile(mlp(), Broken(), handoff="eager")(torch.randn(2, 16))

@@ -17,8 +17,8 @@ import torch
 from torch import fx, nn
 
 from xform._torch.dispatch import FakeTensor
-from xform._torch.dynamo import (DynamoFrame, ModuleAttribute, constant_source, module_attribute, placeholder_source,
-                                 update_placeholder)
+from xform._torch.dynamo import (DynamoFrame, ModuleAttribute, calling_module_path, constant_source, module_attribute,
+                                 placeholder_source, update_placeholder)
 from xform.fx_rewrite import fake_like
 from xform.guards import GuardChange, GuardModel, TensorExpectation
 
@@ -124,6 +124,11 @@ class CapturedGraph:
             if isinstance(root, nn.Module) and all(root is not r for r in roots):
                 roots.append(root)
         return roots
+
+    def calling_module_path(self, node: fx.Node) -> str | None:
+        """The path, within the model, of the innermost module whose forward made this call
+        (`model.layers.0.mlp.up_proj`), however the model was called; None outside any submodule."""
+        return calling_module_path(node, {location.root_source.name for location in self._locations.values()})
 
     def names_of(self, tensor: torch.Tensor) -> list[str]:
         """Every name the root modules reach `tensor` by as a parameter (more than one: tied weights,

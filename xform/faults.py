@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
+import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from xform.transform import Transform
@@ -23,6 +25,29 @@ class TransformFailed(RuntimeError):
         self.transform, self.hook = transform, hook
         self.reason = f"{type(error).__name__}: {error} ({raised_at(error)})"
         super().__init__(f"xform: transform '{transform.name}' failed in {hook}: {self.reason}")
+
+
+class TransformDropped(UserWarning):
+    """A model runs without a transform asked for, because xform's own code failed in it."""
+
+
+# model (or traced function's code) -> the transforms it was warned about: said once, not per graph
+_warned: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def warn_dropped(owners: list[Any], failure: TransformFailed) -> None:
+    """Warn, once per model and transform, that the model was compiled without `failure`'s
+    transform: a silent fallback would leave a user measuring the model they did not ask for."""
+    name = failure.transform.name
+    fresh = [owner for owner in owners if name not in _warned.setdefault(owner, set())]
+    if owners and not fresh:
+        return
+    for owner in fresh:
+        _warned[owner].add(name)
+    warnings.warn(f"xform: compiled without transform '{name}': xform's own code failed in {failure.hook}: "
+                  f"{failure.reason}. The model runs as if '{name}' had not been asked for; xform.report(model) "
+                  f"says which graphs. Please report this; XFORM_STRICT=1 raises instead.",
+                  TransformDropped, stacklevel=2)
 
 
 def transform_failure(error: BaseException | None) -> TransformFailed | None:

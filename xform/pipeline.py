@@ -17,7 +17,7 @@ from torch import fx
 
 from xform._torch.dynamo import DYNAMO_SIGNALS
 from xform.captured import CapturedGraph
-from xform.faults import TransformFailed, strict, transform_failure
+from xform.faults import TransformFailed, strict, transform_failure, warn_dropped
 from xform.handoff import Handoff, InductorHandoff
 from xform.log import logger
 from xform.registry import resolve
@@ -99,6 +99,7 @@ class Pipeline:
                 failure = transform_failure(error)
                 if failure is None or strict():
                     raise
+                warn_dropped([*graph.root_modules(), *([graph.code] if graph.code is not None else [])], failure)
                 failed = TransformRecord(failure.transform.name)
                 failed.failed(f"failed in {failure.hook}: {failure.reason}; this graph was compiled without it "
                               f"(XFORM_STRICT=1 raises instead)")

@@ -148,7 +148,10 @@ class Report:
     def __str__(self) -> str:
         if not self.graphs:
             return "xform report: no graph compiled yet (call the compiled model once)"
-        lines = [f"xform report: {len(self.graphs)} graph(s)"]
+        dropped = sorted({name for name, _ in self.failures()})
+        lines = [f"xform report: {len(self.graphs)} graph(s)" + (
+            f"; compiled WITHOUT {', '.join(repr(n) for n in dropped)}: xform failed in it (FAILED below)"
+            if dropped else "")]
         for g in self.graphs:
             lines.append("")
             lines.append(

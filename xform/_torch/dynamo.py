@@ -14,7 +14,7 @@ import os
 import re
 import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
@@ -216,14 +216,23 @@ def update_placeholder(node: fx.Node, real: torch.Tensor, fake: torch.Tensor) ->
     return restore
 
 
-def calling_module_path(node: fx.Node) -> str | None:
+def calling_module_path(node: fx.Node, roots: Sequence[str] = ()) -> str | None:
     """The path of the innermost module whose forward made this call (`layers.0.attn.q`), from
-    Dynamo's `nn_module_stack` record; None for calls made outside any submodule."""
+    Dynamo's `nn_module_stack` record; None for calls made outside any submodule.
+
+    The record starts at the expression that reached the compiled module in the traced frame:
+    `L['self']`, or `L['args'][0]` (a forward wrapped by a decorator taking `*args`),
+    `L['fn'].__self__` (`torch.compile(model.forward)`), `L['fn'].func` (a `functools.partial`),
+    `G['model']`. `roots` are those expressions for the graph's modules (their parameters' root
+    sources); the longest one the record starts with is cut off, so that the path is the module's
+    own within the model. Without one, the frame's first name is."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
     path, _type = list(stack.values())[-1]
-    path = re.sub(r"^[LG]\['[^']+'\]", "", path)
+    root = next((r for r in sorted(roots, key=len, reverse=True) if path == r or path.startswith((f"{r}.", f"{r}["))),
+                None)
+    path = path[len(root):] if root is not None else re.sub(r"^[LG]\['[^']+'\]", "", path)
     path = re.sub(r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]", lambda m: "." + next(g for g in m.groups() if g), path)
     return path.lstrip(".")
 

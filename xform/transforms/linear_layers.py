@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from xform._torch.dispatch import is_traceable_wrapper_subclass
-from xform._torch.dynamo import calling_module_path
 from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import op_name
 from xform.transform import option_error
@@ -88,7 +87,7 @@ def borrowed_weights(graph: CapturedGraph, selects: Callable[[str, nn.Module | N
         param = graph.parameter_for(linear_operands(node)[1]) if is_linear(node) else None
         if param is None:
             continue
-        path = calling_module_path(node) or node.name
+        path = graph.calling_module_path(node) or node.name
         layer = roots[0].get_submodule(path) if roots and path != node.name else None
         tied = _tied_with(graph, param)
         if path in seen or not selects(path, layer) or not (tied or not isinstance(param.owner, nn.Linear)):

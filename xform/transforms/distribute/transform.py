@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from xform.captured import CapturedGraph, GraphParameter
-from xform._torch.dynamo import calling_module_path
 from xform.fx_rewrite import example_value
 from xform.registry import register_transform
 from xform.report import TransformRecord
@@ -136,7 +135,7 @@ def _tensor_parallel(graph: CapturedGraph, group: Any, record: TransformRecord, 
     for fqn, detail in apply_plan(graph, plan, group.group_name, rank, by=by):
         record.changed("parameter", fqn, detail)
     for linear, reason in plan.refused.items():
-        record.skipped(calling_module_path(linear) or linear.name, f"stays replicated: {reason}")
+        record.skipped(graph.calling_module_path(linear) or linear.name, f"stays replicated: {reason}")
     if not plan.columns:
         record.note(f"tensor parallelism over {world} ranks found no column/row-parallel Linear pair to cut")
 
