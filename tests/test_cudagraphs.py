@@ -55,8 +55,9 @@ class SimulatedRecorder:
         self.recorded += 1
         # a graph reads its in-place inputs at their addresses, and holds none of them
         static = [unowned_view(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-        for i in copied:
-            static[i] = torch.empty_like(inputs[i])
+        for i in copied:  # the values matter to the sim's eager run only (a capture runs nothing)
+            static[i] = torch.empty_like(inputs[i]).copy_(inputs[i])
+        refs = [StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None for t in inputs]
         inputs.clear()  # taken over, as the real recorder does
         # outputs that are views of in-place inputs (by identity: an input the run frees may leave
         # its address to an output)
@@ -66,7 +67,13 @@ class SimulatedRecorder:
         def made(outputs):
             return [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in caller]
 
+        # a capture runs nothing: what the eager run writes into the caller's tensors is put back
+        # (into those still alive after it: the run frees the inputs it consumes)
+        kept = [(t, t.clone(), refs[i]) for i, t in enumerate(static) if i not in copied and isinstance(t, torch.Tensor)]
         outputs = run(list(static))
+        for t, before, alive in kept:
+            if not alive.expired():
+                t.copy_(before)
         mine = made(outputs)
         own_inputs = [static[i] for i in copied]
         self.pool += own_inputs + mine
@@ -137,7 +144,7 @@ def test_fake_cuda_graph_breaks_name_the_op_the_reason_and_the_fix():
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.empty(4, 4, device="cuda")
     gm = make_fx(f, tracing_mode="fake")(x)
-    breaks = {n.name: b for n, b in find_breaks(gm, set()).items()}
+    breaks = {n.name: b for n, b in find_breaks(gm).items()}
     assert set(breaks) == {"_to_copy", "mul"}
     assert breaks["_to_copy"].reason.startswith("it copies a cuda tensor to the CPU, which waits for the GPU")
     assert breaks["_to_copy"].fix.startswith("keep the tensor on the GPU")
@@ -621,21 +628,70 @@ class Counter(nn.Module):
         self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x, out):
-        self.calls.add_(1)  # a buffer: recorded in place
-        out.copy_(x.sin() * self.calls)  # an argument: a replay would write the graph's own copy
+        self.calls.add_(1)  # a buffer
+        out.copy_(x.sin() * self.calls)  # an argument
         return out.cos().exp().relu()
 
 
-def test_writing_into_an_argument_is_a_break_but_into_a_buffer_is_not(recorder):
-    model = Counter()
-    step = compiled(model, CudaGraphs(min_region_ops=1))
+def _functions_of(transform):
+    return [f.stats for f in transform.functions]
+
+
+@pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_an_argument_written_in_place_is_recorded_in_place_and_a_moved_one_still_written(recorder, handoff):
+    """The replays write the caller's tensor itself, as they write a buffer: recorded once the
+    tensor is found again where it was, never as a copy the caller would not see."""
+    model, transform = Counter(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform, handoff=handoff)
     x, out = torch.randn(4), torch.zeros(4)
-    result = step(x, out)
-    torch.testing.assert_close(out, x.sin())
-    torch.testing.assert_close(result, out.cos().exp().relu())
-    (skip,) = xform.report(model).skips("cudagraphs")
-    assert skip.target.startswith("Tensor.copy_ (node copy_) at test_cudagraphs.py:")
-    assert skip.reason.startswith("it writes in place into the graph input 'l_out_'")
+    with torch.no_grad():
+        for call in range(1, 6):
+            result = step(x, out)
+            torch.testing.assert_close(out, x.sin() * call)
+            torch.testing.assert_close(result, out.cos().exp().relu())
+        assert not xform.report(model).skips("cudagraphs")
+        (stats,) = _functions_of(transform)
+        assert stats.recordings == 1 and stats.replays >= 2 and stats.copied_in_bytes == 0
+        for call in range(6, 9):  # another tensor, then the first again: each written, never a stale copy
+            other = torch.full((4,), -1.0)
+            step(x, other)
+            torch.testing.assert_close(other, x.sin() * call)
+        step(x, out)
+        torch.testing.assert_close(out, x.sin() * 9)
+
+
+class StaticCache(nn.Module):
+    """A decode step writing its key into a cache the caller owns, as Hugging Face's static cache
+    does (`index_copy_` into a tensor marked with `mark_static_address`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(8, 8)
+
+    def forward(self, x, cache, position):
+        cache.index_copy_(0, position, self.k(x))
+        return (cache.sum(0) * x).relu()
+
+
+@pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_static_kv_cache_is_no_break_and_is_written_in_place(recorder, handoff):
+    """Under Inductor the write stays in the recorded graph (AOTAutograd keeps it there), which must
+    then be handed the cache itself; eagerly AOTAutograd writes it back after the call."""
+    model, transform = StaticCache().eval(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform, handoff=handoff)
+    cache, expected_cache = torch.zeros(6, 8), torch.zeros(6, 8)
+    torch._dynamo.mark_static_address(cache)
+    position = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        for token in range(6):
+            x = torch.randn(1, 8)
+            position.fill_(token)
+            got = step(x, cache, position)
+            torch.testing.assert_close(got, model(x, expected_cache, position))
+            torch.testing.assert_close(cache, expected_cache)
+    assert not xform.report(model).skips("cudagraphs")
+    (stats,) = _functions_of(transform)
+    assert stats.recordings == 1 and stats.replays == 5 and stats.uncaptured_calls == 0
 
 
 GENERATOR = torch.Generator().manual_seed(0)
@@ -651,7 +707,7 @@ def test_a_user_generator_and_an_op_tagged_unsafe_are_breaks():
     drawn = graph.call_function(torch.rand, ((4,),), {"generator": GENERATOR})
     graph.output(graph.call_function(torch.add, (graph.call_function(torch.ops.xform_test.tagged.default, (x,)), drawn)))
     gm = SimpleNamespace(graph=graph)  # no GraphModule: its code could not print a Generator either
-    breaks = {b.node: b for b in find_breaks(gm, set(), device_type="cpu").values()}
+    breaks = {b.node: b for b in find_breaks(gm, device_type="cpu").values()}
     assert breaks["rand"].reason.startswith("it draws random numbers from a torch.Generator you passed")
     assert breaks["tagged_default"].reason == "its author tagged xform_test.tagged.default torch.Tag.cudagraph_unsafe"
 
@@ -718,4 +774,4 @@ def test_a_bitwise_and_of_an_argument_is_not_a_write_into_it():
     captured = []
     torch.compile(lambda x, y: (x & y).float() * 2, backend=lambda gm, _: captured.append(gm) or gm.forward,
                   fullgraph=True)(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool))
-    assert find_breaks(captured[0], set(), device_type="cpu") == {}  # operator.and_ is `x & y`, not `x &= y`
+    assert find_breaks(captured[0], device_type="cpu") == {}  # operator.and_ is `x & y`, not `x &= y`

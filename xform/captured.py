@@ -80,7 +80,6 @@ class CapturedGraph:
         self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
         self._parameter_names: dict[int, list[str]] | None = None  # id(parameter) -> its names (`names_of`)
         self.parameters: list[GraphParameter] = []
-        self.module_state: set[fx.Node] = set()  # placeholders of the model's parameters and buffers
         expectations = []
         for index, (node, value) in enumerate(zip(self.placeholders, self.example_inputs)):
             source = placeholder_source(node)
@@ -93,8 +92,6 @@ class CapturedGraph:
                 self._locations[name] = location
             role = "parameter" if isinstance(value, nn.Parameter) else ("buffer" if location else "input")
             expectations.append(TensorExpectation.of(name, role, value))
-            if role != "input":
-                self.module_state.add(node)
             if role == "parameter":
                 self.parameters.append(self._graph_parameter(node, index, name, location, value))
         self.guards = GuardModel(expectations)

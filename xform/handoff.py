@@ -14,6 +14,7 @@ from torch import fx
 
 from xform._torch import inductor
 from xform.faults import strict
+from xform.fx_rewrite import is_in_place
 from xform.log import logger
 
 # what a handoff is, which transforms check (Inductor-only refusals, say); its `label` is what the
@@ -21,13 +22,23 @@ from xform.log import logger
 HandoffKind = Literal["inductor", "eager", "thunder"]
 
 AotHook = Callable[[fx.GraphModule, str], None]
-# wraps one AOT-compiled function (boxed: takes a list) given its kind and the indices of its
-# inputs with stable addresses (parameters, buffers); the CUDA-graph transform records it
-InnerWrapper = Callable[[Callable[..., Any], str, Sequence[int]], Callable[..., Any]]
+# wraps one AOT-compiled function (boxed: takes a list) given its kind, the indices of its inputs
+# with stable addresses (parameters, buffers, inputs marked static) and of those it writes in
+# place; the CUDA-graph transform records it
+InnerWrapper = Callable[[Callable[..., Any], str, Sequence[int], Sequence[int]], Callable[..., Any]]
 
 
 def _aot_kind(is_backward: bool, is_inference: bool) -> str:
     return "backward" if is_backward else ("inference" if is_inference else "forward")
+
+
+def written_inputs(gm: fx.GraphModule) -> list[int]:
+    """The positions of the inputs an AOTAutograd graph writes in place: AOTAutograd keeps a write
+    into an input in the graph (`aten.copy_(input, new)`, a KV cache's `index_copy_`) where it can,
+    so whoever runs the compiled function must hand it the caller's tensor itself, not a copy."""
+    position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    return sorted({position[n.args[0]] for n in gm.graph.nodes
+                   if n.op == "call_function" and n.args and n.args[0] in position and is_in_place(n)})
 
 
 class InductorHandoff:
@@ -82,8 +93,10 @@ class InductorHandoff:
             kind = _aot_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
             if aot_hook is not None:
                 aot_hook(aot_gm, kind)
+            written = written_inputs(aot_gm)
             compiled = inductor.compile_fx_inner(aot_gm, inputs, *args, **kwargs)
-            return compiled if wrap_inner is None else wrap_inner(compiled, kind, kwargs.get("static_input_idxs", ()))
+            return compiled if wrap_inner is None else wrap_inner(compiled, kind, kwargs.get("static_input_idxs", ()),
+                                                                  written)
 
         # An AOTAutograd cache hit would skip inner_compile, and with it the hooks; Inductor's own
         # FX graph cache stays on, since it keys on the graph the hook already rewrote.
@@ -109,7 +122,7 @@ class EagerHandoff:
                     aot_hook(aot_gm, kind)
                     aot_gm.recompile()
                 compiled = inductor.boxed(aot_gm.forward)
-                return compiled if wrap_inner is None else wrap_inner(compiled, kind, ())
+                return compiled if wrap_inner is None else wrap_inner(compiled, kind, (), written_inputs(aot_gm))
 
             return run
 

@@ -307,3 +307,9 @@ def current_compile_id() -> str | None:
 
     compile_id = CompileContext.current_compile_id()
     return str(compile_id) if compile_id is not None else None
+
+
+def has_static_address(tensor: torch.Tensor) -> bool:
+    """Whether the caller marked `tensor` with `torch._dynamo.mark_static_address` (Hugging Face's
+    static KV cache does): it keeps its address from call to call, as a buffer does."""
+    return getattr(tensor, "_dynamo_static_input_type", None) is not None

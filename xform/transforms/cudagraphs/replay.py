@@ -257,6 +257,8 @@ class GraphedFunction:
         if key in self._seen:
             return False
         self._seen[key] = self._other_addresses(args)
+        if len(self._seen) > 4 * self._max_signatures:  # an input written in place that moves every call
+            del self._seen[next(iter(self._seen))]  # the oldest address seen
         return True
 
     def _other_addresses(self, args: list[Any]) -> dict[int, int]:
