@@ -124,6 +124,39 @@ def test_a_module_calling_linear_with_its_own_weight_is_named_as_not_a_linear():
                            "nn.Linear layers are changed; left as written")
 
 
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.out = Router(), nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.router(x))
+
+
+def test_one_reason_met_in_every_layer_is_one_line_with_the_layers_and_a_count():
+    model = nn.Sequential(*[Block() for _ in range(12)])
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    report = xform.report(model)
+    assert len(report.skips("cast")) == 12  # every place, for code that reads them
+    lines = [line for line in str(report).splitlines() if line.split()[:1] == ["skipped"]]
+    assert len(lines) == 1 and "{0-11}.router (x12)  it is a Router, not an nn.Linear" in lines[0], lines
+    assert "not changed: {0-11}.router (x12)" in report.describe("cast")
+    assert "cast       13 changed, 12 skipped" in str(report)  # the counts stay whole
+
+
+@pytest.mark.parametrize("targets, said", [
+    (["layers.3.mlp", "layers.4.mlp", "layers.5.mlp"], "layers.{3-5}.mlp (x3)"),
+    (["layers.0.mlp", "layers.2.mlp"], "layers.{0,2}.mlp (x2)"),
+    (["layers.0.q", "layers.0.k", "layers.1.q"], "layers.0.q and 2 more like it (x3)"),
+    (["graph", "graph"], "graph (x2)"),
+    (["head"], "head"),
+])
+def test_places_are_summarized_by_the_number_that_varies(targets, said):
+    from xform.report import describe_places
+
+    assert describe_places(targets) == said
+
+
 class Experts(nn.Module):
     """A mixture of experts' stacked weights, as Mixtral holds them: multiplied one expert at a time
     (F.linear on a slice, `@ w[e].mT`) or by a batched product of all experts."""

@@ -9,6 +9,7 @@ compiled model or function into a `Report`: `str()` is a table for people, `.to_
 from __future__ import annotations
 
 import itertools
+import re
 import textwrap
 import types
 import weakref
@@ -54,8 +55,9 @@ class TransformRecord:
         logger.debug("%s changed %s %s %s", self.transform, kind, target, detail)
 
     def skipped(self, target: str, reason: str) -> None:
+        if all(s.reason != reason for s in self.skips):  # logged once per reason, as the report groups them
+            logger.info("%s skipped %s: %s", self.transform, target, reason)
         self.skips.append(Skip(target, reason))
-        logger.info("%s skipped %s: %s", self.transform, target, reason)
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -138,7 +140,7 @@ class Report:
             lines.append(f"graph {g.graph} ({g.code})")
             for t in (t for t in g.transforms if t.transform == transform):
                 lines += [f"  changed: {c.target}" + (f": {c.detail}" if c.detail else "") for c in t.changes]
-                for s in t.skips:
+                for s in grouped_skips(t.skips):
                     lines.append(f"  not changed: {s.target}")
                     lines += textwrap.wrap(s.reason, width, initial_indent="      ", subsequent_indent="      ")
                 lines += [f"  note: {n}" for n in t.notes]
@@ -165,7 +167,7 @@ class Report:
                 rows.append((t.transform, f"{len(t.changes)} changed, {len(t.skips)} skipped",
                              "", f"{t.seconds * 1e3:.1f} ms"))
                 rows += [("", c.kind, c.target, c.detail) for c in t.changes]
-                rows += [("", "skipped", s.target, s.reason) for s in t.skips]
+                rows += [("", "skipped", s.target, s.reason) for s in grouped_skips(t.skips)]
                 rows += [("", "note", "", n) for n in t.notes]
                 rows += [("", "FAILED", "", t.failure)] if t.failure else []
             if len(rows) > 1:
@@ -176,6 +178,34 @@ class Report:
 
 
 GUARD_LINES = 4
+_NUMBER = re.compile(r"\d+")
+
+
+def grouped_skips(skips: list[Skip]) -> list[Skip]:
+    """One skip per distinct reason, in the order first met: a reason met at many places (a break in
+    each of 16 layers) is said once, its places summarized with their count (`describe_places`)."""
+    places: dict[str, list[str]] = {}
+    for skip in skips:
+        places.setdefault(skip.reason, []).append(skip.target)
+    return [Skip(describe_places(targets), reason) for reason, targets in places.items()]
+
+
+def describe_places(targets: list[str]) -> str:
+    """`layers.{0-15}.mlp (x16)` for places that differ in one number, else the first place and how
+    many more; one place as it is."""
+    unique = list(dict.fromkeys(targets))
+    if len(unique) == 1:
+        return unique[0] + (f" (x{len(targets)})" if len(targets) > 1 else "")
+    numbers = [[int(n) for n in _NUMBER.findall(t)] for t in unique]
+    varying = [i for i in range(len(numbers[0])) if len({n[i] for n in numbers}) > 1] \
+        if len({_NUMBER.sub("#", t) for t in unique}) == 1 else []
+    if len(varying) != 1:
+        return f"{unique[0]} and {len(unique) - 1} more like it (x{len(unique)})"
+    values = sorted({n[varying[0]] for n in numbers})
+    span = f"{values[0]}-{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else ",".join(map(str, values))
+    texts, first = _NUMBER.split(unique[0]), _NUMBER.findall(unique[0])
+    joined = texts[0] + "".join((f"{{{span}}}" if i == varying[0] else n) + texts[i + 1] for i, n in enumerate(first))
+    return f"{joined} (x{len(unique)})"
 
 
 def _guard_lines(title: str, changes: list[GuardChange] | list[ModuleSwap]) -> list[str]:
