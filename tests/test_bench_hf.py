@@ -1,0 +1,27 @@
+"""bench/hf.py runs each configuration in a process of its own and writes its rows: checked on the
+CPU with the tiny model (figures come from the GPU, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_hf_runs_its_configurations_and_writes_the_report_in_numbers(tmp_path):
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, "bench/hf.py", "--size", "tiny", "--only", "eager,xform-float8",
+                           "--batches", "1", "--repeats", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "hf_generate.json").read_text())["rows"]
+    assert [(r["config"], r["batch"]) for r in rows] == [("eager", 1), ("xform-float8", 1)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    summary = rows[1]["xform"]
+    assert summary["graphs"] >= 1 and not summary["failures"] and summary["quantize changes"] == 2 * 7 + 1
