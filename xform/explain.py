@@ -42,6 +42,7 @@ from torch import nn
 import xform
 import xform.transforms.cudagraphs.transform as cudagraphs_module
 from xform._torch.dispatch import FakeTensorMode
+from xform._torch.modules import convert_tensors
 from xform._torch.dynamo import DynamoError
 from xform._torch.pytree import tree_map
 from xform.backend import Backend
@@ -228,7 +229,7 @@ def to_stand_in(example: Example, mode: FakeTensorMode) -> Example:
     def move(value: Any) -> Any:
         return mode.from_tensor(value.to(STAND_IN)) if isinstance(value, torch.Tensor) else value
 
-    example.model._apply(move)
+    convert_tensors(example.model, move)
     return Example(example.model, tree_map(move, example.args), tree_map(move, example.kwargs))
 
 

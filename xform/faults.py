@@ -63,14 +63,15 @@ def transform_failure(error: BaseException | None) -> TransformFailed | None:
 
 def raised_at(error: BaseException) -> str:
     """Where `error` was raised and, when that is outside xform, the last line of xform's on the way
-    ("raised at torch/_tensor.py:12 in f, from xform/transforms/attention.py:34 in _rewrite"): what a
-    bug report, or a fix, needs first, said even where the stack trace is not shown (the report)."""
+    ("raised at torch/_tensor.py:12 in f, from xform/transforms/attention/transform.py:34 in _rewrite"):
+    what a bug report, or a fix, needs first, said even where the stack trace is not shown (the
+    report). `xform/_torch/` only passes calls on to torch, so its lines are not the ones named."""
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return "raised at an unknown place"
     last = frames[-1]
     # the pipeline calls every hook: its line says nothing of the transform's
-    own = next((f for f in reversed(frames) if _within_xform(f.filename) not in (None, "xform/pipeline.py")), None)
+    own = next((f for f in reversed(frames) if _is_own(f.filename)), None)
     where = f"raised at {_frame(last)}"
     return where if own is None or own is last else f"{where}, from {_frame(own)}"
 
@@ -80,6 +81,13 @@ _PACKAGE = Path(__file__).resolve().parent
 
 def _frame(frame: traceback.FrameSummary) -> str:
     return f"{_short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+
+
+def _is_own(filename: str) -> bool:
+    """A line of xform that says what it was doing: not the pipeline, which calls every hook, nor
+    `xform/_torch/`, which passes calls on to torch."""
+    path = _within_xform(filename)
+    return path is not None and path != "xform/pipeline.py" and not path.startswith("xform/_torch/")
 
 
 def _within_xform(filename: str) -> str | None:

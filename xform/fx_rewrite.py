@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from xform._torch.dispatch import DisableTorchFunctionSubclass, FakeTensor, OpOverload, OpOverloadPacket, is_mutable
+from xform._torch.dynamo import resumed_function_name
 from xform._torch.pytree import tree_flatten, tree_map
 
 
@@ -76,7 +77,7 @@ def user_source(node: fx.Node) -> str | None:
     if not frames:
         return None
     path, line, function, code = frames[-1]
-    function = re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", function)  # the code after a graph break
+    function = resumed_function_name(function)  # the code after a graph break
     return f"{path.rsplit('/', 1)[-1]}:{line} in {function}: {code.strip()}"
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from xform._torch.dynamo import original_callable
 from xform.guards import GuardChange, ModuleSwap
 from xform.log import logger
 
@@ -202,7 +203,8 @@ def describe_places(targets: list[str]) -> str:
     if len(varying) != 1:
         return f"{unique[0]} and {len(unique) - 1} more like it (x{len(unique)})"
     values = sorted({n[varying[0]] for n in numbers})
-    span = f"{values[0]}-{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else ",".join(map(str, values))
+    contiguous = values == list(range(values[0], values[-1] + 1))
+    span = f"{values[0]}-{values[-1]}" if contiguous else ",".join(map(str, values))
     texts, first = _NUMBER.split(unique[0]), _NUMBER.findall(unique[0])
     joined = texts[0] + "".join((f"{{{span}}}" if i == varying[0] else n) + texts[i + 1] for i, n in enumerate(first))
     return f"{joined} (x{len(unique)})"
@@ -266,7 +268,7 @@ def report(compiled: Callable[..., Any] | nn.Module) -> Report:
     Accepts the compiled object or the original module/function. Graphs appear after the first
     call, since Dynamo compiles lazily.
     """
-    target: Any = getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
+    target: Any = original_callable(compiled)
     if isinstance(target, nn.Module):  # with its submodules': a graph break leaves frames whose `self` is one
         paths = {id(module): name for name, module in target.named_modules()}  # a shared module: its first path
         return Report([_from_model(record, root, paths[id(root)]) for root, record in

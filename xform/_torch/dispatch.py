@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 make_subclass = torch.Tensor._make_subclass  # a tensor of a subclass over the same data, as a new leaf
 
 __all__ = ["DisableTorchFunctionSubclass", "FakeTensor", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
-           "foreach_copy_", "is_mutable", "is_op_overload", "is_traceable_wrapper_subclass", "make_subclass", "overload_name",
-           "scaled_mm"]
+           "foreach_copy_", "is_mutable", "is_op_overload", "is_traceable_wrapper_subclass", "make_subclass",
+           "overload_name", "scaled_mm"]
 
 foreach_copy_ = torch._foreach_copy_  # one launch copying a list of tensors into another
 

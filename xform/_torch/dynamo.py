@@ -313,3 +313,15 @@ def has_static_address(tensor: torch.Tensor) -> bool:
     """Whether the caller marked `tensor` with `torch._dynamo.mark_static_address` (Hugging Face's
     static KV cache does): it keeps its address from call to call, as a buffer does."""
     return getattr(tensor, "_dynamo_static_input_type", None) is not None
+
+
+def original_callable(compiled: Any) -> Any:
+    """What `torch.compile` was given: the module of an `OptimizedModule`, the function of a
+    compiled function; anything else as it is."""
+    return getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
+
+
+def resumed_function_name(name: str) -> str:
+    """The user's function a name of Dynamo's resume function stands for (the code after a graph
+    break: `torch_dynamo_resume_in_forward_at_42` -> `forward`); other names as they are."""
+    return re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", name)

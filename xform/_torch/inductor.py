@@ -14,7 +14,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 __all__ = ["CustomGraphPass", "aot_autograd", "autograd_cache_off", "boxed", "compile_fx", "compile_fx_inner",
-           "files_hash", "flash_attention_available", "mode_options", "option_names"]
+           "files_hash", "flash_attention_available", "mark_boxed", "mode_options", "option_names"]
 
 
 def mode_options(mode: str) -> dict[str, Any]:
@@ -79,3 +79,9 @@ def flash_attention_available() -> bool:
     from torch._inductor.kernel.flex.flex_flash_attention import ensure_flash_available
 
     return ensure_flash_available()
+
+
+def mark_boxed(fn: Any) -> None:
+    """Mark `fn` as taking its inputs as one list it may empty, as AOTAutograd calls compiled
+    functions (an attribute of the object itself: `functools.wraps` copies only those)."""
+    fn._boxed_call = True

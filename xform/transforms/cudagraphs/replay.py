@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from xform._torch import dispatch, memory
+from xform._torch import dispatch, inductor, memory
 from xform.faults import strict
 from xform.log import logger
 from xform.transforms.cudagraphs.pool_outputs import Handouts, Ranges, handouts, meets, subtract_ranges
@@ -180,7 +180,7 @@ class GraphedFunction:
                  module_state: Callable[[int, torch.Tensor], bool], *, warmup: int = 1, max_signatures: int = 64,
                  stale_outputs: str = "copy", on_event: Callable[[str], None] | None = None) -> None:
         self.compiled = compiled
-        self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy only those
+        inductor.mark_boxed(self)
         self.stats = ReplayStats(name)
         self._recorder = recorder
         self._module_state = module_state

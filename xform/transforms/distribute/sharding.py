@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from xform._torch.dispatch import DisableTorchFunctionSubclass, is_op_overload, make_subclass
+from xform._torch.modules import add_state_dict_hooks
 from xform._torch.pytree import tree_map
 from xform.captured import CapturedGraph, GraphParameter
 
@@ -251,8 +252,7 @@ def install_state_dict_hooks(module: nn.Module) -> Any:
     tensors back (each rank keeping its cut). Returns an undo function (None if already installed)."""
     if getattr(module, "_xform_sharded", False):
         return None
-    handles = [module._register_state_dict_hook(_full_state_dict_hook),
-               module._register_load_state_dict_pre_hook(_shard_on_load_hook, with_module=True)]
+    handles = add_state_dict_hooks(module, _full_state_dict_hook, _shard_on_load_hook)
     object.__setattr__(module, "_xform_sharded", True)
 
     def undo() -> None:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import fx
 
-from xform.fx_rewrite import example_value, op_name
-from xform.transforms.distribute.tp_shardings import (Poison, Sharded, Slot, describe, operand, positive_dim,
+from xform.fx_rewrite import example_value
+from xform.transforms.distribute.tp_shardings import (Poison, Sharded, Slot, describe, op_kind, operand, positive_dim,
                                                       shape_of, single_sharded, tensor_slots, view_groups)
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ _OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operat
 
 
 def _pointwise(p: Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
-    data_slots = [("arg", 0)] if op_name(node) in _CASTS else tensor_slots(node)
+    data_slots = [("arg", 0)] if op_kind(node) in _CASTS else tensor_slots(node)
     if any(slot not in data_slots for slot in ins):
         single_sharded(ins, node)  # a cast whose dtype comes from a sharded tensor: refused there
     out_ndim = len(shape_of(node))
@@ -80,7 +80,7 @@ def _view(p: Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
 
 
 def _view_size_args(p: Propagation, node: fx.Node, out: Sharded, ndim: int) -> None:
-    if op_name(node) == "flatten":
+    if op_kind(node) == "flatten":
         return
     sizes = node.args[1:]
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
@@ -105,7 +105,7 @@ def _nested_size(p: Propagation, node: fx.Node, out: Sharded, ndim: int) -> None
 def _transpose(p: Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
     state = single_sharded(ins, node)
     ndim = len(shape_of(node))
-    name = op_name(node)
+    name = op_kind(node)
     if name == "t":
         order = list(range(ndim))[::-1]
     elif name in ("transpose", "swapaxes"):
@@ -161,7 +161,7 @@ def _getitem(p: Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Any:
 def _split(p: Propagation, node: fx.Node, ins: dict[Slot, Any]) -> tuple[Sharded, ...]:
     state = single_sharded(ins, node)
     ndim = len(shape_of(node.args[0]))
-    name = op_name(node)
+    name = op_kind(node)
     dim_at = 1 if name == "unbind" else 2
     dim = positive_dim(node.kwargs.get("dim", node.args[dim_at] if len(node.args) > dim_at else 0), ndim)
     if dim == state.dim:
@@ -178,7 +178,7 @@ def _cat(p: Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sharded:
     origins = frozenset().union(*(s.origins for s in states if s is not None))
     ndim = len(shape_of(node))
     dim = positive_dim(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0), ndim)
-    if None in states or op_name(node) == "stack":
+    if None in states or op_kind(node) == "stack":
         raise Poison(origins, f"{describe(node)} joins sharded and replicated activations")
     out = p.merge(states, node)
     if dim == out.dim:
@@ -233,7 +233,7 @@ def _along_other_dim(p: Propagation, node: fx.Node, ins: dict[Slot, Any]) -> Sha
     dims = {positive_dim(d, ndim) for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
     if state.dim in dims:
         raise Poison(state.origins, f"{describe(node)} reduces over the sharded dimension")
-    keep = op_name(node) in ("softmax", "log_softmax") or node.kwargs.get("keepdim", len(node.args) > 2 and node.args[2])
+    keep = op_kind(node) in ("softmax", "log_softmax") or node.kwargs.get("keepdim", len(node.args) > 2 and node.args[2])
     return Sharded(state.dim - (0 if keep else sum(d < state.dim for d in dims)), state.outer, state.origins)
 
 
@@ -264,7 +264,7 @@ _RULES: dict[str, Callable[[Propagation, fx.Node, dict[Slot, Any]], Any]] = {
 
 def rule_for(node: fx.Node) -> Callable[[Propagation, fx.Node, dict[Slot, Any]], Any] | None:
     """The rule that carries a sharding through `node`'s op, or None where no rule can."""
-    name = op_name(node)
+    name = op_kind(node)
     rule = _RULES.get(name)
     if rule is None and (name in _POINTWISE or name in _CASTS or node.target in _OPERATORS):
         rule = _pointwise

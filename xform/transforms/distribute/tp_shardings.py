@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from xform._torch.pytree import tree_leaves
+from xform._torch.dispatch import is_op_overload, overload_name
 from xform.fx_rewrite import example_value, op_name
 
 Slot = tuple[str, Any]  # ("arg", index) or ("kwarg", name): where an operand sits in a node's call
@@ -45,6 +46,12 @@ class Poison(Exception):
     def __init__(self, origins: Iterable[fx.Node], reason: str) -> None:
         super().__init__(reason)
         self.origins, self.reason = frozenset(origins), reason
+
+
+def op_kind(node: fx.Node) -> str:
+    """The op a node runs, as the rules know it: `view` for `x.view(...)`, `torch.ops.aten.view` and
+    `aten.view.default` alike."""
+    return overload_name(node.target) if is_op_overload(node.target) else op_name(node)
 
 
 def describe(node: fx.Node) -> str:
