@@ -181,6 +181,20 @@ def test_inductor_cpu_kernels_for_inference(pattern):
     assert changes(pattern)[0].endswith("cpu; block mask built once)") or pattern is hand_document
 
 
+@pytest.mark.slow
+def test_a_data_mask_where_the_cpu_kernel_cannot_lower_it_is_left_as_written(monkeypatch):
+    """torch 2.11's CPU flex kernel raised NoValidChoicesError on a mask_mod reading a tensor; there
+    the attention stays as written, said before Inductor compiles (simulated here on torch 2.13)."""
+    monkeypatch.setattr(versions, "CPU_FLEX_LOWERS_DATA_MASKS", False)
+    q, k, v, extra = inputs(requires_grad=False)
+    model = AsModule(hand_document)
+    with torch.no_grad():
+        out = xform.compile(model, "flex-attention")(q, k, v, extra)
+    torch.testing.assert_close(out, hand_document(q, k, v, extra), atol=2e-5, rtol=2e-5)
+    (skip,) = xform.report(model).skips("flex-attention")
+    assert "which Inductor's CPU flex kernel cannot lower in torch" in skip.reason
+
+
 def test_static_block_masks_are_built_once(monkeypatch):
     import torch.nn.attention.flex_attention as flex
 

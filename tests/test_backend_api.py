@@ -8,7 +8,7 @@ from torch import nn
 
 import xform
 from xform.transforms import Cast
-from models import mlp
+from models import TransformerBlock, mlp
 
 
 def _summary(model: nn.Module) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -173,6 +173,11 @@ def test_a_thunder_fallback_is_inductor_to_the_transforms(monkeypatch):
         torch.compile(model, backend=backend)(torch.randn(4, 128, dtype=torch.bfloat16))
     assert isinstance(raised.value.inner_exception, QuantizeUnsupported)
     assert "Inductor does not compile torchao's emulated MX path on CPU" in str(raised.value.inner_exception)
+
+    block = TransformerBlock()  # training on CPU: Inductor's flex kernel has no backward, so it is left as written
+    torch.compile(block, backend=xform.Backend(["flex-attention"], handoff="thunder"))(torch.randn(2, 16, 32))
+    (skip,) = xform.report(block).skips("flex-attention")
+    assert "flex_attention has no CPU backward" in skip.reason
 
 
 def test_thunder_handoff_where_thunder_does_not_import_is_an_error_in_strict_mode(monkeypatch):

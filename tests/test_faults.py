@@ -173,3 +173,14 @@ def test_a_dropped_transform_warns_once_per_model_and_heads_the_report():
         "xform report: 2 graph(s); compiled WITHOUT 'broken': xform failed in it (FAILED below)")
     with pytest.warns(TransformDropped):  # another model: warned again
         xform.compile(mlp(), Broken(), handoff="eager")(torch.randn(2, 16))
+
+
+def test_a_failure_in_torch_names_xforms_line_not_the_torch_package_passing_the_call_on():
+    """xform/_torch/ only passes calls on to torch: the line named as xform's is the caller's."""
+    from xform.faults import raised_at
+    from xform.transforms.quantize.probe import blockwise_sqnr
+
+    with pytest.raises(ValueError) as raised:  # the CPU's _scaled_mm takes no block scales
+        blockwise_sqnr(torch.device("cpu"))
+    assert re.fullmatch(r"raised at xform/_torch/dispatch\.py:\d+ in scaled_mm, "
+                        r"from xform/transforms/quantize/probe\.py:\d+ in blockwise_sqnr", raised_at(raised.value))

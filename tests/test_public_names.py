@@ -43,8 +43,17 @@ def test_every_xform_name_a_page_mentions_exists(page):
     assert not missing, f"{page.relative_to(ROOT)} names what xform does not have: {missing}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as '-'."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_relative_link_of_a_page_exists(page):
-    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text())
-    missing = [link for link in links if not (page.parent / link).exists()]
+    links = re.findall(r"\]\(([^)#:]+)(?:#([^)]*))?\)", page.read_text())
+    missing = [link for link, _ in links if not (page.parent / link).exists()]
     assert not missing, f"{page.relative_to(ROOT)} links to files that do not exist: {missing}"
+    broken = [f"{link}#{anchor}" for link, anchor in links
+              if anchor and link.endswith(".md") and anchor not in _anchors(page.parent / link)]
+    assert not broken, f"{page.relative_to(ROOT)} links to headings that do not exist: {broken}"

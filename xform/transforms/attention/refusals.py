@@ -12,7 +12,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from xform._torch import inductor
+from xform._torch import inductor, versions
 from xform.captured import CapturedGraph
 from xform.fx_rewrite import example_value
 from xform.transforms.attention.block_masks import built_before_the_call
@@ -32,6 +32,11 @@ def inductor_cpu_refusal(site: AttentionSite) -> str | None:
                 f"Inductor's CPU flex kernel cannot take (torch {torch.__version__}: its CPU lowering reads the "
                 f"mods' tensors before realizing them, NotImplementedError: Pointwise); left as written. With "
                 f"handoff='eager' it is rewritten; the CUDA lowering realizes them first")
+    data = next((n for t in site.masks for n in t.buffer_nodes), None)
+    if data is not None and not versions.CPU_FLEX_LOWERS_DATA_MASKS:
+        return (f"its mask reads data ({node_and_line(data)}), which Inductor's CPU flex kernel cannot lower in "
+                f"torch {torch.__version__} (NoValidChoicesError; torch >= 2.13 can); left as written. With "
+                f"handoff='eager' it is rewritten")
     return None
 
 

@@ -1,4 +1,4 @@
-"""Record a compiled region function as CUDA graphs and replay them, safely, from one memory pool.
+"""Replay a compiled region function's recorded CUDA graphs, safely, from one memory pool.
 
 Memory: every graph xform records on a device shares one pool, and a replay hands its outputs out
 where the graph wrote them, in the pool, with no copy (as CUDA Graph Trees do). A recording keeps

@@ -106,9 +106,8 @@ def _float8_training(recipe_name: str, recipe: str) -> Callable[[Device, str], P
 
 # Row-wise scales of the gradients need an amax over the token dimension, which Inductor fuses into
 # the producer's kernel (SwiGLU's backward) as a reduction along the strided dimension; tiling in
-# two dimensions makes it coalesced. On the H200 (docs/benchmarks.md) this took the FFN's
-# float8-rowwise training step from 12.6 to 10.9 ms (bf16: 12.8-13.0 ms); the same setting gave
-# nothing to tensorwise or rowwise-gw-hp, whose casts have no such reduction, so it is this recipe's alone.
+# two dimensions makes it coalesced (measured: docs/benchmarks-history.md, "2-D tiling"); the
+# other float8 recipes' casts have no such reduction, so the setting is this recipe's alone.
 # The gradients' row and column amaxes are also reduced in two stages (`split_amax`), so that
 # their casts, one of them transposed, are not fused into the row reduction's kernel.
 ROWWISE_INDUCTOR = {"triton.prefer_nd_tiling": True, "post_grad_custom_post_pass": SplitAmaxPairs()}
