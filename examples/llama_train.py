@@ -23,7 +23,7 @@ the whole step one CUDA graph.
 
 The task is synthetic and learnable: each sequence follows next = (5 * token + 1) mod vocab from
 a random start, so the loss falls from ln(vocab) within a few dozen steps. The optimizer is made
-after the first call, since xform replaces the parameters at that call.
+before the first call, as training scripts do: xform points it at the parameters it replaces then.
 """
 
 from __future__ import annotations
@@ -122,14 +122,13 @@ def train(args: argparse.Namespace) -> Run:
     model = Llama(config_of(args)).to(device, dtype)
     compiled = xform.compile(model, f"quantize:{args.recipe}", "flex-attention", "distribute:fsdp", "cudagraphs",
                              handoff=handoff)
-    optimizer, losses, first_s = None, [], 0.0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses, first_s = [], 0.0
     progress = Progress(args.steps, "train")
     start = time.perf_counter()
     for step, (tokens, targets) in enumerate(batches(args, seed=1 + rank, device=device)):
         loss = F.cross_entropy(compiled(tokens).flatten(0, 1).float(), targets.flatten())
         loss.backward()
-        if optimizer is None:  # after the first call: xform has replaced the parameters by then
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

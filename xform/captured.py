@@ -21,6 +21,7 @@ from xform._torch.dynamo import (DynamoFrame, ModuleAttribute, calling_module_pa
                                  placeholder_source, update_placeholder)
 from xform.fx_rewrite import fake_like
 from xform.guards import GuardChange, GuardModel, TensorExpectation
+from xform.optimizers import Replacement
 
 if TYPE_CHECKING:
     from xform.handoff import HandoffKind
@@ -78,6 +79,7 @@ class CapturedGraph:
         # function of the call's own inputs giving a tuple of tensors (`add_derived_inputs`)
         self.added_inputs: list[torch.Tensor | DerivedInputs] = []
         self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
+        self.replacements: list[Replacement] = []  # the parameters replaced in the model, for its optimizers
         self._parameter_names: dict[int, list[str]] | None = None  # id(parameter) -> its names (`names_of`)
         self.parameters: list[GraphParameter] = []
         expectations = []
@@ -158,6 +160,8 @@ class CapturedGraph:
         owner, name, old = param.owner, param.name, getattr(param.owner, param.name)
         self.on_undo(lambda: setattr(owner, name, old))
         setattr(owner, name, new)
+        self.replacements.append(Replacement(old, new, param.fqn, by))
+        self.on_undo(self.replacements.pop)
         return self._adopt(param, new, by=by, placement=placement)
 
     def _adopt(self, param: GraphParameter, new: torch.Tensor, *, by: str, placement: str | None = None) -> GuardChange:

@@ -20,6 +20,7 @@ from xform.captured import CapturedGraph
 from xform.faults import TransformFailed, strict, transform_failure, warn_dropped
 from xform.handoff import Handoff, InductorHandoff
 from xform.log import logger
+from xform.optimizers import retarget_optimizers
 from xform.registry import resolve
 from xform.report import GraphRecord, TransformRecord
 from xform.transform import Transform
@@ -165,6 +166,9 @@ class Pipeline:
         for t in using("wrap_compiled"):
             with _timed(t, records[t.name], "wrap_compiled"):
                 compiled = t.wrap_compiled(compiled, graph, records[t.name])
+        for by, notes in retarget_optimizers(graph.replacements).items():
+            for note in notes:
+                records[by].note(note)
         return compiled
 
 
