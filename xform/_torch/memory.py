@@ -22,11 +22,6 @@ def storage_id(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
-def version_counter(tensor: torch.Tensor) -> int:
-    """How many times `tensor`'s memory was written in place (`copy_`, `add_`, ...), as autograd counts."""
-    return tensor._version
-
-
 def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
     """Exchange the memory of two storages; every tensor over `storage` follows (torch >= 2.13)."""
     storage._swap_data_ptr_(other)

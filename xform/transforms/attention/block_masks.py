@@ -57,8 +57,12 @@ class BlockMaskBuild:
             return tuple(x for x in self.block_mask(*buffers).as_tuple() if isinstance(x, torch.Tensor))
 
     def how(self, before_the_call: bool) -> str:
-        when = "built before each call, and reused while that data is unchanged," if before_the_call else \
-            "built per call"
+        if not before_the_call:
+            when = "built per call"
+        elif self.device.type == "cpu":
+            when = "built before each call, and reused while that data is unchanged,"
+        else:  # comparing the data with the last call's would wait for the GPU (`reused_inputs`)
+            when = "built before each call"
         if self.fallback is None:
             return f"{when} from per-block bounds of the data it reads"
         return f"{when} from the data it reads, at every position ({self.fallback})"

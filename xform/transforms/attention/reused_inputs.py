@@ -1,18 +1,15 @@
-"""Work hoisted out of a compiled graph and redone only when the inputs it reads change.
+"""Work hoisted out of a compiled graph and redone only when the values it reads change.
 
 A BlockMask built from data (a document mask's per-token ids) depends on nothing but that data.
-Inside the graph it is rebuilt on every call, even when the caller passes the same ids tensor
-every time, as a hand-written model builds its BlockMask once. `ReusedComputation` runs before the
-compiled graph instead (`CapturedGraph.add_derived_inputs`) and hands its last results back while
-every tensor it reads is unchanged:
-- the same tensor object (a weak reference: a tensor freed and another allocated at the same
-  address is not it),
-- not written since (its version counter, which every in-place op and `copy_` bumps, with or
-  without autograd),
-- over the same memory (its data pointer: `.data =` swaps memory without a write).
-A tensor made under `torch.inference_mode` has no version counter, so it is never taken as
-unchanged. The results are never written by the graph (they are inputs it only reads), so handing
-the same tensors out again is safe.
+Inside the graph it is rebuilt on every call, even when the caller passes the same ids every time,
+as a hand-written model builds its BlockMask once. `ReusedComputation` runs before the compiled
+graph instead (`CapturedGraph.add_derived_inputs`) and hands its last results back while every
+tensor it reads holds the values it held then, compared value by value with a copy kept of them.
+Nothing cheaper is safe: a tensor's version counter misses writes through numpy (`from_numpy`
+buffers a loader fills again), through `.data` and through its storage. The copy and the
+comparison are kept to CPU tensors; one on a GPU is recomputed on every call, since comparing its
+values would wait for the GPU. The results are never written by the graph (they are inputs it only
+reads), so handing the same tensors out again is safe.
 
 When it must recompute, it runs the computation compiled by Inductor where the graph is (made
 with `make_fx` on the first recomputation, outside any Dynamo frame), else as written.
@@ -20,27 +17,21 @@ with `make_fx` on the first recomputation, outside any Dynamo frame), else as wr
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 
 from xform._torch import inductor
-from xform._torch.memory import version_counter
 from xform.log import logger
 
-Stamp = tuple[Any, int, int]  # (weak reference, version, data pointer) of one tensor read
+def _kept(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A copy of a CPU tensor's values to compare later calls with; None on a GPU: recomputed."""
+    return tensor.detach().clone() if tensor.device.type == "cpu" else None
 
 
-def _stamp(tensor: torch.Tensor) -> Stamp | None:
-    if tensor.is_inference():
-        return None
-    return weakref.ref(tensor), version_counter(tensor), tensor.data_ptr()
-
-
-def _unchanged(stamp: Stamp | None, tensor: torch.Tensor) -> bool:
-    return (stamp is not None and stamp[0]() is tensor and stamp[1] == version_counter(tensor)
-            and stamp[2] == tensor.data_ptr())
+def _unchanged(kept: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    return (kept is not None and kept.shape == tensor.shape and kept.dtype == tensor.dtype
+            and kept.device == tensor.device and torch.equal(kept, tensor))
 
 
 class ReusedComputation:
@@ -55,17 +46,17 @@ class ReusedComputation:
         self.compute, self.indices = compute, tuple(indices)
         self.compile_with_inductor = compile_with_inductor
         self.computed = 0
-        self._stamps: list[Stamp | None] = []
+        self._kept: list[torch.Tensor | None] = []
         self._results: tuple[torch.Tensor, ...] = ()
         self._compiled: Callable[..., Any] | None = None
 
     def prime(self, reads: Sequence[torch.Tensor], results: tuple[torch.Tensor, ...]) -> None:
         """Take `results` as computed from `reads` (the example inputs, at compile time)."""
-        self._stamps, self._results = [_stamp(t) for t in reads], results
+        self._kept, self._results = [_kept(t) for t in reads], results
 
     def __call__(self, args: tuple) -> tuple[torch.Tensor, ...]:
         reads = [args[i] for i in self.indices]
-        if self._stamps and all(_unchanged(s, t) for s, t in zip(self._stamps, reads)):
+        if self._kept and all(_unchanged(k, t) for k, t in zip(self._kept, reads)):
             return self._results
         with torch.no_grad():
             results = tuple(self._run(reads))
