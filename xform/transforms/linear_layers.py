@@ -4,6 +4,7 @@ by the transforms that change Linear layers (cast, quantize, distribute's tensor
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 from dataclasses import dataclass
@@ -41,6 +42,12 @@ def layer_selector(filter: LayerFilter, transform: str) -> Callable[[str, nn.Mod
         names = frozenset(filter)
         return lambda path, module: path in names
     if callable(filter):
+        try:
+            inspect.signature(filter).bind("layers.0", nn.Linear(1, 1))
+        except TypeError as error:
+            raise option_error(transform, "filter", filter, f"a callable taking (path, module) ({error})") from None
+        except ValueError:  # a builtin without a signature: taken as it is
+            pass
         return filter
     raise option_error(transform, "filter", filter, "None, a regex string, a list of module paths or a callable "
                                                     "(path, module) -> bool")
