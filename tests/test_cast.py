@@ -177,3 +177,32 @@ def test_cast_leaves_layers_another_transform_quantized():
     assert skip.target == "0" and skip.reason == ("its weight is a Float8Tensor (another transform changed it); "
                                                   "cast takes plain parameters")
     assert type(model[2].weight) is LowPrecisionWeight
+
+
+class ReadAcrossABreak(nn.Module):
+    """The layer's call and another op reading its weight in two graphs (a graph break between)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        torch._dynamo.graph_break()
+        return h @ self.fc.weight.float().T
+
+
+def test_a_weight_another_graph_reads_otherwise_is_an_error_not_a_silent_bf16_read():
+    """The first graph sees only the layer's call and casts it; the second reads the weight with a
+    matmul, which would silently compute with bf16 values: refused, naming the layer and the fix."""
+    with pytest.raises(Exception, match=r"xform: transform 'cast': fc was cast to bfloat16 in an earlier graph of "
+                                        r"this model, and this one \(.*\) reads it otherwise: its weight is also read "
+                                        r"by node .*Exclude the layer from cast \(filter=\), or remove the graph break"):
+        xform.compile(ReadAcrossABreak(), "cast:bf16", handoff="eager")(torch.randn(2, 8))
+
+
+def test_excluded_with_filter_the_model_runs_in_full_precision_across_the_break():
+    model = ReadAcrossABreak()
+    x = torch.randn(2, 8)
+    out = xform.compile(model, Cast(torch.bfloat16, filter=[]), handoff="eager")(x)
+    torch.testing.assert_close(out, model(x))

@@ -111,6 +111,14 @@ class Cast(Transform):
 
     def _cast_layer(self, graph: CapturedGraph, layer: LinearLayer, record: TransformRecord) -> None:
         reason = own_forward_refusal(layer) or next(filter(None, (self._refusal(p) for p in layer.params)), None)
+        if reason is not None and any(isinstance(p.tensor, LowPrecisionWeight) and other_reader_refusal(p)
+                                      for p in layer.params):
+            raise ValueError(
+                f"xform: transform 'cast': {layer.path} was cast to {dtype_name(self.dtype)} in an earlier graph of "
+                f"this model, and this one ({graph.frame.code_name if graph.frame else 'a later graph'}) reads it "
+                f"otherwise: {reason}. Its full-precision values are gone, so that op would compute with "
+                f"{dtype_name(self.dtype)} values. Exclude the layer from cast (filter=), or remove the graph break "
+                f"between its call and that op, so that one graph sees both")
         if reason is not None:
             record.skipped(layer.path, reason)
             return
