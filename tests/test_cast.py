@@ -206,3 +206,14 @@ def test_excluded_with_filter_the_model_runs_in_full_precision_across_the_break(
     x = torch.randn(2, 8)
     out = xform.compile(model, Cast(torch.bfloat16, filter=[]), handoff="eager")(x)
     torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("spec, dtype", [("cast:bf16", torch.float32), ("quantize:float8-rowwise", torch.bfloat16),
+                                         ("quantize:float8-weight-only", torch.bfloat16)])
+def test_an_integer_input_raises_as_the_model_does_instead_of_returning_truncated_values(spec, dtype):
+    model = nn.Sequential(nn.Linear(16, 16)).to(dtype)
+    tokens = torch.arange(32).view(2, 16)
+    with pytest.raises(RuntimeError, match=r"must have the same dtype"):
+        model(tokens)
+    with pytest.raises(RuntimeError, match=r"(must|expected m1 and m2 to) have the same dtype"):
+        xform.compile(model, spec, handoff="eager")(tokens)

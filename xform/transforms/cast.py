@@ -69,6 +69,8 @@ class LowPrecisionWeight(torch.Tensor):
 
 def _linear_in_weight_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     with DisableTorchFunctionSubclass():
+        if not input.is_floating_point():  # as written: it raises, as the model did in full precision
+            return F.linear(input, weight, bias)
         dtype = weight.dtype
         x = input if input.dtype == dtype else input.to(dtype)
         b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
@@ -147,7 +149,8 @@ class Cast(Transform):
         rewritten = 0
         for node, x, weight, bias, param in parameter_linear_calls(graph):
             x_value = example_value(x)
-            if not isinstance(param.tensor, LowPrecisionWeight) or x_value.dtype == param.tensor.dtype:
+            if (not isinstance(param.tensor, LowPrecisionWeight) or x_value.dtype == param.tensor.dtype
+                    or not x_value.is_floating_point()):  # an integer input raises as written, as it did before
                 continue
             g = graph.gm.graph
             dtype = param.tensor.dtype

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from xform.captured import CapturedGraph
+from xform.fx_rewrite import example_value
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.transform import Transform, option_error
@@ -155,8 +156,8 @@ class Quantize(Transform):
         swapped = graph.modules_replaced_by(self.name)
         rewritten = 0
         for node, x, weight, bias, param in parameter_linear_calls(graph):
-            if not any(param.owner is module for module in swapped):
-                continue
+            if not any(param.owner is module for module in swapped) or not example_value(x).is_floating_point():
+                continue  # an integer input raises as written, as it did before the swap
             g = graph.gm.graph
             with g.inserting_before(node):
                 call = g.call_function(ModuleForward(param.owner), (x, weight) if bias is None else (x, weight, bias))
