@@ -428,3 +428,18 @@ def test_the_blockwise_probe_reports_torchs_refusal_of_the_layout():
 
     assert blockwise_gemm_error.__wrapped__(torch.device("cpu")).startswith(
         "torch._scaled_mm refused 1x128/128x128 block scales (Invalid scaling configuration.")
+
+
+@pytest.mark.parametrize("spec", ["quantize:float8-weight-only", "quantize:nvfp4-weight-only", "cast:bf16"])
+def test_the_model_can_be_moved_and_converted_after_its_weights_were_replaced(spec):
+    """xform leaves no weak reference on the weights it put in the model (Dynamo's graph arguments,
+    fake tensors kept with the graph), which made `.float()` / `.to()` refuse to swap them."""
+    model = nn.Sequential(nn.Linear(128, 128))
+    if spec.startswith("quantize"):
+        model.bfloat16()
+    with torch.no_grad():
+        xform.compile(model, spec, handoff="eager")(torch.randn(4, 128, dtype=model[0].weight.dtype))
+    replaced = type(model[0].weight)
+    assert replaced is not nn.Parameter
+    model.to("cpu")
+    model.half()  # a dtype conversion swaps a tensor subclass's parameters

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from xform._torch.dispatch import FakeTensor
+from xform._torch.dispatch import FakeTensor, forget_real_tensor
 from xform._torch.dynamo import (DynamoFrame, ModuleAttribute, calling_module_path, constant_source, module_attribute,
                                  placeholder_source, update_placeholder)
 from xform.fx_rewrite import fake_like
@@ -80,6 +80,7 @@ class CapturedGraph:
         self.added_inputs: list[torch.Tensor | DerivedInputs] = []
         self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
         self.replacements: list[Replacement] = []  # the parameters replaced in the model, for its optimizers
+        self._after_compile: list[Callable[[], None]] = []  # what `release` puts back in Dynamo's records
         self._parameter_names: dict[int, list[str]] | None = None  # id(parameter) -> its names (`names_of`)
         self.parameters: list[GraphParameter] = []
         expectations = []
@@ -167,7 +168,9 @@ class CapturedGraph:
     def _adopt(self, param: GraphParameter, new: torch.Tensor, *, by: str, placement: str | None = None) -> GuardChange:
         """Make the graph and its guards expect `new`, which the model already holds where `param` was."""
         self.example_inputs[param.index] = new
-        self.on_undo(update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new)))
+        restore = update_placeholder(param.node, new, fake_like(param.node.meta["example_value"], new))
+        self.on_undo(restore)
+        self._after_compile.append(restore)
         if self.frame is not None:
             self.frame.register_replacement(self._sources[param.source], new)
         param.tensor = new
@@ -243,6 +246,26 @@ class CapturedGraph:
     def on_undo(self, action: Callable[[], None]) -> None:
         """Register how to take back a change a transform made to the model (run if it fails)."""
         self._undo.append(action)
+
+    def release(self) -> None:
+        """Drop what ties the compiled code to Dynamo's compile state once it is done: the undo
+        actions, and the graph's records of Dynamo's inputs and fake tensors, as Dynamo's own
+        cleanup drops them from its graph. The compiled code may keep this graph (the eager handoff
+        runs it), and through those records, weak references to the model's tensors (in Dynamo's
+        graph arguments, its fake mode's memo) that make `model.to()` and `model.float()` refuse to
+        swap them."""
+        self._undo.clear()
+        while self._after_compile:  # Dynamo's graph arguments, shared with its graph: as Dynamo traced them
+            self._after_compile.pop()()
+        fake_mode = next((v.fake_mode for v in (n.meta.get("example_value") for n in self.placeholders)
+                          if isinstance(v, FakeTensor)), None)
+        for tensor in [r.new for r in self.replacements] + [t for t in self.added_inputs if isinstance(t, torch.Tensor)]:
+            if fake_mode is not None:
+                forget_real_tensor(fake_mode, tensor)
+        for node in self.gm.graph.nodes:
+            for key in ("grapharg", "example_value", "val"):
+                node.meta.pop(key, None)
+        self.frame = None
 
     def undo_model_changes(self) -> None:
         """Take back, newest first, every change made to the model through this graph."""

@@ -108,6 +108,7 @@ class Pipeline:
                 active = [t for t in active if t is not failure.transform]
                 continue
             record.transforms += failures
+            graph.release()
             return compiled
 
     def _run_once(self, graph: CapturedGraph, transforms: list[Transform], record: GraphRecord) -> Callable[..., Any]:

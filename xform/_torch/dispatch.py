@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 make_subclass = torch.Tensor._make_subclass  # a tensor of a subclass over the same data, as a new leaf
 
 __all__ = ["DisableTorchFunctionSubclass", "FakeTensor", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
-           "foreach_copy_", "is_mutable", "is_op_overload", "is_traceable_wrapper_subclass", "make_subclass",
+           "foreach_copy_", "forget_real_tensor", "is_mutable", "is_op_overload", "is_traceable_wrapper_subclass", "make_subclass",
            "overload_name", "scaled_mm"]
 
 foreach_copy_ = torch._foreach_copy_  # one launch copying a list of tensors into another
@@ -43,3 +43,9 @@ def overload_name(target: OpOverload | OpOverloadPacket) -> str:
 def is_mutable(op: OpOverload) -> bool:
     """Whether the operator writes one of its arguments (`aten.add_.Tensor`, `aten.index_copy_`)."""
     return op._schema.is_mutable
+
+
+def forget_real_tensor(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> None:
+    """Drop `fake_mode`'s record of a real tensor it made a fake of (a weak reference, which makes
+    `nn.Module.to()` refuse to swap the tensor while the fake mode lives)."""
+    fake_mode.fake_tensor_converter.meta_converter.describer.lookup_tensor.pop(tensor, None)
