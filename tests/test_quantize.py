@@ -443,3 +443,18 @@ def test_the_model_can_be_moved_and_converted_after_its_weights_were_replaced(sp
     assert replaced is not nn.Parameter
     model.to("cpu")
     model.half()  # a dtype conversion swaps a tensor subclass's parameters
+
+
+def test_a_model_with_swapped_float8_layers_can_be_saved_and_loaded_whole():
+    """torch.save(model) pickles the layers by class: the swapped-in class lives at a module's top
+    level (a class made inside a function could not be pickled)."""
+    import io
+
+    model = nn.Sequential(nn.Linear(128, 128)).bfloat16()
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    out = xform.compile(model, "quantize:float8-rowwise", handoff="eager")(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert type(loaded[0]).__name__ == "ContiguousInputFloat8Linear"
+    torch.testing.assert_close(loaded(x), out)

@@ -114,21 +114,9 @@ ROWWISE_INDUCTOR = {"triton.prefer_nd_tiling": True, "post_grad_custom_post_pass
 
 
 def _to_float8_linear(linear: nn.Linear, config: Any) -> nn.Module:
-    return _contiguous_float8_linear_class().from_float(linear, config=config)
+    from xform.transforms.quantize.float8_linear import ContiguousInputFloat8Linear
 
-
-@functools.lru_cache(maxsize=None)
-def _contiguous_float8_linear_class() -> type:
-    """torchao's Float8Linear, fed a contiguous input: with row-wise scales torchao cannot reshape a
-    non-contiguous [.., K] input (its `clone` has no axiswise-scaled form), which a Linear after a
-    transpose (a conv, an attention output) hands it. Made on first use, so torchao loads lazily."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    class ContiguousInputFloat8Linear(Float8Linear):
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            return super().forward(input.contiguous())
-
-    return ContiguousInputFloat8Linear
+    return ContiguousInputFloat8Linear.from_float(linear, config=config)
 
 
 def _blockwise_plan(device: Device, handoff: str) -> Plan:
