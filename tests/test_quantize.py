@@ -458,3 +458,33 @@ def test_a_model_with_swapped_float8_layers_can_be_saved_and_loaded_whole():
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
     assert type(loaded[0]).__name__ == "ContiguousInputFloat8Linear"
     torch.testing.assert_close(loaded(x), out)
+
+
+class WithHooks(nn.Module):
+    """A Linear carrying hooks and an attribute its parent's forward reads (a LoRA scale, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(128, 128)
+        self.fc.lora_scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.fc.lora_scale
+
+
+def test_hooks_and_attributes_of_a_swapped_layer_survive_the_swap():
+    model = WithHooks().bfloat16()
+    seen: list[str] = []
+    pre = model.fc.register_forward_pre_hook(lambda module, args: seen.append("pre"))
+    model.fc.register_forward_hook(lambda module, args, out: seen.append("post"))
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    expected = model(x)
+    seen.clear()
+    out = xform.compile(model, "quantize:float8-rowwise", handoff="eager")(x)
+    assert type(model.fc).__name__ == "ContiguousInputFloat8Linear" and model.fc.lora_scale == 2.0
+    assert seen == ["pre", "post"]
+    assert sqnr(expected, out) >= 20
+    pre.remove()  # the handle still removes the hook from the swapped-in layer
+    seen.clear()
+    model(x)
+    assert seen == ["post"]

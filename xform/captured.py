@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from xform._torch.dispatch import FakeTensor, forget_real_tensor
+from xform._torch.modules import carry_over
 from xform._torch.dynamo import (DynamoFrame, ModuleAttribute, calling_module_path, constant_source, module_attribute,
                                  placeholder_source, update_placeholder)
 from xform.fx_rewrite import fake_like
@@ -190,6 +191,7 @@ class CapturedGraph:
             )
         old = param.owner
         parent, key = self.frame.evaluate(location.owner_parent_source), location.owner_key
+        carry_over(old, new)
         self.on_undo(lambda: setattr(parent, key, old))
         setattr(parent, key, new)
         owner_name = location.owner_source.name

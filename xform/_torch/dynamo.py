@@ -133,11 +133,16 @@ class DynamoFrame:
                 self._add_tensor_guards(guards, AttrSource(source, attr), inner)
 
     def rewrite_module_type_guard(self, source: Any) -> None:
-        """Re-check the type of the module at `source` against what the frame holds now (after a swap)."""
+        """Re-check the type of the module at `source` against what the frame holds now (after a swap).
+
+        Guards on the old type's class attributes go too: Dynamo reads them through the type's MRO
+        by position (`type(m).__mro__[1].__dict__['_compiled_call_impl']`, for a module with hooks),
+        which names another class, or none, in the new type's MRO."""
         from torch._dynamo.guards import GuardBuilder
 
         guards = self.tracing_context.guards_context.dynamo_guards
         _remove_guards_on(guards, source, exact=True, kinds=("TYPE_MATCH", "ID_MATCH"))
+        _remove_guards_on(guards, source, through_type=True)
         guards.add(source.make_guard(GuardBuilder.TYPE_MATCH), collect_debug_stack=False)
 
 
@@ -173,13 +178,17 @@ def _derived_from(source: Any, target: Any) -> bool:
     return False
 
 
-def _remove_guards_on(guards: Any, source: Any, *, exact: bool = False, kinds: tuple[str, ...] = ()) -> None:
+def _remove_guards_on(guards: Any, source: Any, *, exact: bool = False, kinds: tuple[str, ...] = (),
+                      through_type: bool = False) -> None:
     """Drop the guards on `source` and (unless `exact`) on what derives from it, optionally only
-    those of the given kinds. (`GuardsSet.remove_guards_with_source` in torch 2.11 compares only
-    the root of each guard's source, so it never matches a parameter.)"""
+    those of the given kinds; `through_type`: those on what derives from its type instead. (`GuardsSet.
+    remove_guards_with_source` in torch 2.11 compares only the root of each guard's source, so it
+    never matches a parameter.)"""
     from torch.utils._ordered_set import OrderedSet
 
     def doomed(guard: Any) -> bool:
+        if through_type:
+            return f"type({source.name})" in guard.name
         on = guard.originating_source == source if exact else _derived_from(guard.originating_source, source)
         return on and (not kinds or guard.create_fn_name() in kinds)
 

@@ -1,6 +1,6 @@
-"""nn.Module's private methods xform needs: converting every parameter and buffer in place (what
-`.to()` does, with any function), and state-dict hooks run around `state_dict()` and before
-`load_state_dict()`."""
+"""nn.Module's private state xform needs: converting every parameter and buffer in place (what
+`.to()` does, with any function), state-dict hooks run around `state_dict()` and before
+`load_state_dict()`, and a module's hooks and attributes carried to the module swapped in for it."""
 
 from __future__ import annotations
 
@@ -20,3 +20,19 @@ def add_state_dict_hooks(module: nn.Module, after_save: Callable[..., Any], befo
     `before_load(module, state, prefix, ...)` at the start of `load_state_dict()`; the handles."""
     return [module._register_state_dict_hook(after_save),
             module._register_load_state_dict_pre_hook(before_load, with_module=True)]
+
+
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook",
+          "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def carry_over(old: nn.Module, new: nn.Module) -> None:
+    """Give `new`, swapped in for `old`, the hooks registered on `old` (the same dicts, so that their
+    handles still remove them) and the attributes `old` has that `new` lacks (`lora_scale`, say)."""
+    for name in _HOOKS:
+        if hasattr(old, name):
+            object.__setattr__(new, name, getattr(old, name))
+    for name, value in vars(old).items():
+        if name not in vars(new) and not name.startswith("_"):
+            object.__setattr__(new, name, value)
