@@ -377,3 +377,29 @@ def test_parameter_names_of_a_submodules_frame_are_the_models_and_other_targets_
     assert inner and all([(c.kind, c.target) for c in g.transforms[0].changes] ==
                          [("parameter", "inner.first.weight"), ("region", "graph")] for g in inner)
     assert all([s.target for s in g.transforms[0].skips] == ["inner.first.bias", "region 0 (3 ops)"] for g in inner)
+
+
+@pytest.mark.parametrize("spec, note", [
+    ("flex-attention", "no attention in this graph: an F.scaled_dot_product_attention call, or softmax(q @ k^T) @ v "
+                       "written out"),
+    ("cast:bf16", "no nn.Linear layer in this graph"),
+])
+def test_a_transform_that_finds_nothing_to_change_says_what_it_looked_for(spec, note):
+    model = nn.Sequential(nn.Conv1d(4, 4, 3), nn.ReLU())
+    xform.compile(model, spec, handoff="eager")(torch.randn(2, 4, 8))
+    assert xform.report(model).notes(spec.partition(":")[0]) == [note]
+
+
+def test_a_fused_fast_path_is_named_as_such_not_as_a_tied_weight():
+    """nn.TransformerEncoder in eval mode without gradients runs torch's fused kernel, which reads the
+    weights itself: nothing is tied, and the fix is to leave that path."""
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 8, 32))
+    reasons = {s.reason for s in xform.report(model).skips("cast")}
+    assert len(reasons) == 1 and len(xform.report(model).skips("cast")) == 6
+    (reason,) = reasons
+    assert reason.startswith("its weight is read by torch's fused fast path (_transformer_encoder_layer_fwd), which "
+                             "nn.TransformerEncoderLayer's layers take in eval mode without gradients")
+    assert "untie" not in reason and "torch.backends.mha.set_fastpath_enabled(False)" in reason

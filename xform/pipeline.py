@@ -170,6 +170,9 @@ class Pipeline:
         for by, notes in retarget_optimizers(graph.replacements).items():
             for note in notes:
                 records[by].note(note)
+        for t in transforms:
+            if not (records[t.name].changes or records[t.name].skips or records[t.name].notes):
+                records[t.name].note(t.nothing_found)
         return compiled
 
 

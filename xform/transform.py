@@ -53,6 +53,9 @@ class Transform:
     # name of another transform -> why this one must run after / before it, when both are listed
     must_follow: ClassVar[dict[str, str]] = {}
     must_precede: ClassVar[dict[str, str]] = {}
+    # the report's note for a graph where the transform changed, skipped and noted nothing: what it
+    # looked for and did not find (a transform never does nothing silently)
+    nothing_found: ClassVar[str] = "nothing in this graph it changes"
 
     @classmethod
     def from_spec(cls, argument: str | None) -> Transform:

@@ -88,6 +88,7 @@ class Cast(Transform):
     """Linear weights and biases held and computed in bf16/fp16 (`cast:bf16`)."""
 
     name = "cast"
+    nothing_found = "no nn.Linear layer in this graph"
 
     def __init__(self, dtype: torch.dtype | str = torch.bfloat16, *, filter: LayerFilter = None) -> None:
         accepted = f"torch.bfloat16, torch.float16 or one of {', '.join(map(repr, DTYPES))}"

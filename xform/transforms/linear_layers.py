@@ -253,9 +253,20 @@ def other_reader_refusal(param: GraphParameter) -> str | None:
     other = non_linear_reader(param.node, slot=1 if param.name == "weight" else 2)
     if other is None:
         return None
-    op = other.target if isinstance(other.target, str) else getattr(other.target, "__name__", str(other.target))
+    op = op_name(other)
+    if op in _FAST_PATHS:
+        return (f"its {param.name} is read by torch's fused fast path ({op}), which "
+                f"{_FAST_PATHS[op]} take in eval mode without gradients, not through F.linear, so no transform can "
+                f"change it there. Run it in train mode or under torch.enable_grad(), or turn the fast path off "
+                f"with torch.backends.mha.set_fastpath_enabled(False)")
     return (f"its {param.name} is also read by node '{other.name}' ({op}); changing it would change what that op "
             f"computes. Exclude the layer with filter= or untie it")
+
+
+# torch's fused kernels that nn.Transformer*Layer and nn.MultiheadAttention run in eval mode (no
+# gradients), reading the layers' weights themselves: nothing is tied, nothing for the user to untie
+_FAST_PATHS = {"_transformer_encoder_layer_fwd": "nn.TransformerEncoderLayer's layers",
+               "_native_multi_head_attention": "nn.MultiheadAttention's projections"}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

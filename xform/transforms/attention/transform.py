@@ -55,6 +55,8 @@ class FlexAttention(Transform):
     """SDPA and hand-written attention rewritten to flex_attention (`flex-attention[:backend]`)."""
 
     name = "flex-attention"
+    nothing_found = ("no attention in this graph: an F.scaled_dot_product_attention call, or softmax(q @ k^T) @ v "
+                     "written out")
 
     def __init__(self, backend: str = "auto") -> None:
         if backend not in BACKENDS:

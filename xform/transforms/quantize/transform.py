@@ -62,6 +62,7 @@ class Quantize(Transform):
     """Linear layers to float8 / MX formats through torchao (`quantize:<recipe>`)."""
 
     name = "quantize"
+    nothing_found = "no nn.Linear layer in this graph"
 
     def __init__(self, recipe: str, *, filter: LayerFilter = None) -> None:
         if recipe not in RECIPES:
