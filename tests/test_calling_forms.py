@@ -111,7 +111,9 @@ def test_every_form_of_call_transforms_the_weights(form, spec):
 
 @pytest.mark.parametrize("spec", TRANSFORMS)
 def test_a_forward_wrapped_by_an_args_decorator(spec):
-    _check(DecoratedNet(), FORMS["module"], spec)
+    model = DecoratedNet()
+    _check(model, FORMS["module"], spec)
+    assert xform.report(model).graphs[0].code == "DecoratedNet.forward"  # not passing_args.<locals>.wrapper
 
 
 @pytest.mark.slow

@@ -115,13 +115,19 @@ def _compile_id() -> str:
 
 
 def _traced_name(graph: CapturedGraph) -> str:
-    """`Sequential.forward`, `train_step`, ...: what the user would call the traced code."""
+    """`Sequential.forward`, `train_step`, ...: what the user would call the traced code. A decorator's
+    wrapper around a model's forward (`can_return_tuple.<locals>.wrapper`, as transformers wraps
+    them) is named as the forward it wraps: `LlamaForCausalLM.forward`."""
     if graph.frame is None:
         return "fx graph"
     roots = graph.root_modules()
     if roots and _is_torch_code(graph.frame.code):  # the frame torch.compile(module) traces first
         return type(roots[0]).__name__
-    return graph.frame.code_name
+    name = graph.frame.code_name
+    qualname = getattr(graph.frame.code, "co_qualname", graph.frame.code.co_name)
+    if roots and "<locals>" in qualname:
+        return name.replace(qualname, f"{type(roots[0]).__name__}.forward", 1)
+    return name
 
 
 def _is_torch_code(code: types.CodeType) -> bool:
