@@ -117,7 +117,8 @@ def _compile_id() -> str:
 def _traced_name(graph: CapturedGraph) -> str:
     """`Sequential.forward`, `train_step`, ...: what the user would call the traced code. A decorator's
     wrapper around a model's forward (`can_return_tuple.<locals>.wrapper`, as transformers wraps
-    them) is named as the forward it wraps: `LlamaForCausalLM.forward`."""
+    them, handing it the module as its first argument) is named as the forward it wraps:
+    `LlamaForCausalLM.forward`."""
     if graph.frame is None:
         return "fx graph"
     roots = graph.root_modules()
@@ -125,7 +126,7 @@ def _traced_name(graph: CapturedGraph) -> str:
         return type(roots[0]).__name__
     name = graph.frame.code_name
     qualname = getattr(graph.frame.code, "co_qualname", graph.frame.code.co_name)
-    if roots and "<locals>" in qualname:
+    if roots and "<locals>" in qualname and graph.root_sources() & {"L['self']", "L['args'][0]"}:
         return name.replace(qualname, f"{type(roots[0]).__name__}.forward", 1)
     return name
 

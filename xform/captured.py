@@ -129,7 +129,12 @@ class CapturedGraph:
     def calling_module_path(self, node: fx.Node) -> str | None:
         """The path, within the model, of the innermost module whose forward made this call
         (`model.layers.0.mlp.up_proj`), however the model was called; None outside any submodule."""
-        return calling_module_path(node, {location.root_source.name for location in self._locations.values()})
+        return calling_module_path(node, self.root_sources())
+
+    def root_sources(self) -> set[str]:
+        """How the traced frame reaches the modules the graph's parameters hang from (`L['self']`,
+        `L['args'][0]` in a decorator's wrapper, `L['fn'].__self__`, ...)."""
+        return {location.root_source.name for location in self._locations.values()}
 
     def names_of(self, tensor: torch.Tensor) -> list[str]:
         """Every name the root modules reach `tensor` by as a parameter (more than one: tied weights,
