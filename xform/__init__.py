@@ -11,12 +11,13 @@ from xform import transforms
 from xform.backend import Backend, compile
 from xform.captured import CapturedGraph, GraphParameter
 from xform.guards import GuardChange, GuardModel, TensorExpectation
-from xform.log import configure_from_env
+from xform.log import configure_from_env, quiet_dependencies
 from xform.registry import TransformNotAvailable, available_transforms, register_transform
 from xform.report import Report, report
 from xform.transform import Transform
 
 configure_from_env()
+quiet_dependencies()
 
 __all__ = [
     "Backend",

@@ -53,7 +53,7 @@ class TransformRecord:
 
     def changed(self, kind: str, target: str, detail: str = "") -> None:
         self.changes.append(Change(kind, target, detail))
-        logger.debug("%s changed %s %s %s", self.transform, kind, target, detail)
+        logger.info("%s changed %s %s: %s", self.transform, kind, target, detail)
 
     def skipped(self, target: str, reason: str) -> None:
         if all(s.reason != reason for s in self.skips):  # logged once per reason, as the report groups them
