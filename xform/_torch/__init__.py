@@ -16,4 +16,5 @@ versions xform supports (2.11 to 2.14) is named once, in `versions`.
 - `memory`     storages and the CUDA caching allocator: pools, unowned storages, invalidation
 - `modules`    nn.Module's private methods: tensors converted in place, state-dict hooks
 - `flex_attention` flex_attention's private helpers
+- `logs`       torch's logging registry (TORCH_LOGS=xform)
 """
