@@ -488,3 +488,15 @@ def test_hooks_and_attributes_of_a_swapped_layer_survive_the_swap():
     seen.clear()
     model(x)
     assert seen == ["post"]
+
+
+@pytest.mark.parametrize("recipe", ["float8-rowwise", "float8-rowwise-gw-hp"])
+def test_a_float8_training_recipe_first_called_under_inference_mode(recipe):
+    """torchao's row-wise float8 layer raised under inference_mode; without gradients it computes the
+    same, so the swapped layer runs that way there."""
+    model = nn.Sequential(nn.Linear(128, 128)).bfloat16()
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    expected = model(x)
+    with torch.inference_mode():
+        out = xform.compile(model, f"quantize:{recipe}", handoff="eager")(x)
+    assert type(model[0]).__name__ == "ContiguousInputFloat8Linear" and sqnr(expected, out) >= 20

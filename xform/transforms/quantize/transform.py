@@ -54,6 +54,11 @@ class ModuleForward:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         tensors = {"weight": weight} if self.module.bias is None else {"weight": weight, "bias": bias}
+        if torch.is_inference_mode_enabled():
+            # torchao's row-wise float8 layer raises under inference_mode ('aten.reshape.default with
+            # axiswise scaling is not supported yet'); without gradients it computes the same
+            with torch.inference_mode(False), torch.no_grad():
+                return torch.func.functional_call(self.module, tensors, (x,))
         return torch.func.functional_call(self.module, tensors, (x,))
 
 
