@@ -18,8 +18,12 @@ def convert_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor
 def add_state_dict_hooks(module: nn.Module, after_save: Callable[..., Any], before_load: Callable[..., Any]) -> list[Any]:
     """Run `after_save(module, state, prefix, metadata)` at the end of `state_dict()` and
     `before_load(module, state, prefix, ...)` at the start of `load_state_dict()`; the handles."""
-    return [module._register_state_dict_hook(after_save),
-            module._register_load_state_dict_pre_hook(before_load, with_module=True)]
+    return [module._register_state_dict_hook(after_save), add_load_hook(module, before_load)]
+
+
+def add_load_hook(module: nn.Module, before_load: Callable[..., Any]) -> Any:
+    """Run `before_load(module, state, prefix, ...)` at the start of `load_state_dict()`; the handle."""
+    return module._register_load_state_dict_pre_hook(before_load, with_module=True)
 
 
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",

@@ -22,11 +22,12 @@ weights and weights read by other ops are skipped, each with the reason.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from xform._torch.modules import add_load_hook
 from xform.captured import CapturedGraph
 from xform.fx_rewrite import example_value
 from xform.registry import register_transform
@@ -60,6 +61,22 @@ class ModuleForward:
             with torch.inference_mode(False), torch.no_grad():
                 return torch.func.functional_call(self.module, tensors, (x,))
         return torch.func.functional_call(self.module, tensors, (x,))
+
+
+def _quantizing_on_load(recipe: str, plan: Plan, name: str) -> Callable[..., None]:
+    """A load_state_dict pre-hook: a checkpoint's plain weight for a quantized one is quantized with
+    the same recipe before it is copied in (a full-precision checkpoint loads into the quantized
+    model, as it loaded into the model before), instead of torchao failing halfway through."""
+    def hook(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        key, held = prefix + name, getattr(module, name)
+        value = state.get(key)
+        if isinstance(value, torch.Tensor) and type(value) is not type(held) and value.shape == held.shape:
+            layer = nn.Linear(value.shape[1], value.shape[0], bias=False, device=value.device, dtype=held.dtype)
+            with torch.no_grad():
+                layer.weight.copy_(value)
+            state[key] = RECIPES[recipe].apply(layer, plan).weight
+
+    return hook
 
 
 @register_transform
@@ -147,6 +164,8 @@ class Quantize(Transform):
         after = RECIPES[self.recipe].apply(layer.module, plan).weight  # torchao assigned it to the module
         setattr(param.owner, param.name, before)  # so that undoing the replacement puts back the original
         graph.replace_parameter(param, after, by=self.name)
+        handle = add_load_hook(layer.module, _quantizing_on_load(self.recipe, plan, param.name))
+        graph.on_undo(handle.remove)
         record.changed("layer", layer.path, f"{dtype_name(before.dtype)} -> {type(after).__name__}, "
                                             f"{format_bytes(tensor_bytes(before))} -> {format_bytes(tensor_bytes(after))}")
 
