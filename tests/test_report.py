@@ -403,3 +403,13 @@ def test_a_fused_fast_path_is_named_as_such_not_as_a_tied_weight():
     assert reason.startswith("its weight is read by torch's fused fast path (_transformer_encoder_layer_fwd), which "
                              "nn.TransformerEncoderLayer's layers take in eval mode without gradients")
     assert "untie" not in reason and "torch.backends.mha.set_fastpath_enabled(False)" in reason
+
+
+def test_torch_compiler_reset_clears_the_reports_with_the_code_they_describe():
+    model = mlp()
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    assert len(xform.report(model).graphs) == 1
+    torch.compiler.reset()
+    assert xform.report(model).graphs == []
+    xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+    assert len(xform.report(model).graphs) == 1  # the new compile alone, not the one before the reset

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from xform._torch.dynamo import original_callable
+from xform._torch.dynamo import original_callable, reset_since_last_asked
 from xform.guards import GuardChange, ModuleSwap
 from xform.log import logger
 
@@ -233,8 +233,16 @@ class _Registry:
             weakref.WeakKeyDictionary()
         self._by_code: dict[types.CodeType, list[tuple[int, GraphRecord]]] = {}
         self._added = itertools.count()  # the order records came in, across modules
+        reset_since_last_asked()
+
+    def forget_if_reset(self) -> None:
+        """Drop every record once `torch.compiler.reset()` has dropped the code they describe."""
+        if reset_since_last_asked():
+            self._by_module.clear()
+            self._by_code.clear()
 
     def add(self, root: nn.Module | types.CodeType, record: GraphRecord) -> None:
+        self.forget_if_reset()
         table: Any = self._by_module if isinstance(root, nn.Module) else self._by_code
         table.setdefault(root, []).append((next(self._added), record))
 
@@ -268,6 +276,7 @@ def report(compiled: Callable[..., Any] | nn.Module) -> Report:
     Accepts the compiled object or the original module/function. Graphs appear after the first
     call, since Dynamo compiles lazily.
     """
+    records.forget_if_reset()
     target: Any = original_callable(compiled)
     if isinstance(target, nn.Module):  # with its submodules': a graph break leaves frames whose `self` is one
         paths = {id(module): name for name, module in target.named_modules()}  # a shared module: its first path

@@ -334,3 +334,16 @@ def resumed_function_name(name: str) -> str:
     """The user's function a name of Dynamo's resume function stands for (the code after a graph
     break: `torch_dynamo_resume_in_forward_at_42` -> `forward`); other names as they are."""
     return re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", name)
+
+
+_RESET_MARK = "xform: no torch.compiler.reset() since this mark"
+
+
+def reset_since_last_asked() -> bool:
+    """Whether `torch.compiler.reset()` ran since the last call (the first call: False). It clears
+    Dynamo's warn-once set, where a mark is kept for this: reset has no hook of its own."""
+    from torch._dynamo.utils import warn_once_cache
+
+    missing = _RESET_MARK not in warn_once_cache
+    warn_once_cache.add(_RESET_MARK)
+    return missing
