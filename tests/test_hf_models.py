@@ -308,3 +308,20 @@ def test_inductor_matches_eager_and_cpu_flex_says_what_it_cannot_take(name, atte
                "CPU flex kernel cannot take" in reason and reason.endswith("With handoff='eager' it is rewritten; "
                                                                          "the CUDA lowering realizes them first")
                for _, reason in skipped)
+
+
+def test_opt_attention_under_inductor_on_the_cpu_never_crashes():
+    """OPT's q/k/v (transformers 5.25) are views Inductor's CPU flex template could not lower
+    ("not enough values to unpack"): made contiguous for it, each attention is rewritten, or left
+    as written with its reason (5.17: the padding mask is computed in the graph)."""
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, ffn_dim=128, num_attention_heads=4,
+        max_position_embeddings=64, attn_implementation="sdpa")).eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = xform.compile(model, "flex-attention")(ids).logits
+    assert sqnr(expected, got) >= EXACT
+    report = xform.report(model)
+    assert not report.failures()
+    assert len(report.changes("flex-attention")) + len(report.skips("flex-attention")) == LAYERS

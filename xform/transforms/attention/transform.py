@@ -37,7 +37,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from xform.captured import CapturedGraph
-from xform.fx_rewrite import example_value, remove_unused, unused_after
+from xform.fx_rewrite import example_value, insert_call, remove_unused, unused_after
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.transform import Transform, option_error
@@ -133,7 +133,12 @@ class FlexAttention(Transform):
         call = FlexCall(site, block_mask.template, options)
         buffers = [n for t in site.masks + site.biases for n in t.buffer_nodes]
         with g.inserting_before(site.output):
-            node = g.call_function(call, (site.q, site.k, site.v, *block_mask.tensors, *buffers))
+            qkv = [site.q, site.k, site.v]
+            if backend == "cpu" and graph.handoff == "inductor":
+                # Inductor's CPU flex template fails to lower q/k/v that are views of a projection's
+                # output reshaped to heads (ValueError: not enough values to unpack): made contiguous
+                qkv = [insert_call(g, "call_method", "contiguous", (n,)) for n in qkv]
+            node = g.call_function(call, (*qkv, *block_mask.tensors, *buffers))
         node.meta["example_value"] = site.output.meta.get("example_value")
         site.output.replace_all_uses_with(node)
         replaced_inputs = site.output.all_input_nodes
