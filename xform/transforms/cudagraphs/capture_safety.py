@@ -12,7 +12,7 @@ user can act on: the node, the line of the user's code it came from, the reason 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_sy
 
 from xform._torch.dispatch import OpOverload, OpOverloadPacket, is_op_overload, overload_name
 from xform._torch.pytree import tree_leaves
-from xform.fx_rewrite import example_value, op_name, user_source
+from xform.fx_rewrite import example_value, is_in_place, op_name, user_source
 
 OPS = ("call_function", "call_method", "call_module")
 
@@ -151,11 +151,32 @@ def alias_base(node: fx.Node) -> fx.Node:
     return node
 
 
-def find_breaks(gm: fx.GraphModule, device_type: str = "cuda") -> dict[fx.Node, CaptureBreak]:
-    """Every op node of `gm` a CUDA graph cannot record, with its break; `device_type` is the device
-    whose work is recorded. (A write into an input is none: the replays read and write such an
-    input in place, `replay`.)"""
-    checks = (_host_read, _marked_unsafe, _user_generator, _off_device, _host_scalar_input, _symbolic)
+def _writes_graph_input(stable: set[fx.Node]) -> Callable[[fx.Node, Any], tuple[str, str] | None]:
+    def check(node: fx.Node, _: Any) -> tuple[str, str] | None:
+        if not is_in_place(node) or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        root = alias_base(node.args[0])
+        if root.op != "placeholder" or root in stable:
+            return None
+        return (f"it writes in place into the graph input '{root.name}', which a replay could read from a copy "
+                f"of its own (an input found at another address than the recording's), so the tensor you passed "
+                f"would not change",
+                "return the new value instead of modifying the argument, or make the tensor a registered buffer "
+                "of the module or mark it with torch._dynamo.mark_static_address (as Hugging Face's static cache "
+                "is): those are recorded in place")
+
+    return check
+
+
+def find_breaks(gm: fx.GraphModule, stable: set[fx.Node], device_type: str = "cuda") -> dict[fx.Node, CaptureBreak]:
+    """Every op node of `gm` a CUDA graph cannot record, with its break.
+
+    `stable` holds the placeholders of inputs that keep their address (the model's parameters and
+    buffers, tensors marked with `mark_static_address`), written in place; `device_type` is the
+    device whose work is recorded.
+    """
+    checks = (_host_read, _marked_unsafe, _user_generator, _off_device, _host_scalar_input, _symbolic,
+              _writes_graph_input(stable))
     breaks: dict[fx.Node, CaptureBreak] = {}
     for node in gm.graph.nodes:
         if node.op not in OPS:

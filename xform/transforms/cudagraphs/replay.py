@@ -177,13 +177,18 @@ class GraphedFunction:
     """A compiled region function (boxed: called with a list of inputs) run as recorded graphs."""
 
     def __init__(self, compiled: Callable[[list[Any]], Sequence[Any]], name: str, recorder: GraphRecorder,
-                 module_state: Callable[[int, torch.Tensor], bool], *, warmup: int = 1, max_signatures: int = 64,
+                 module_state: Callable[[int, torch.Tensor], bool], *, written: Sequence[int] = (), warmup: int = 1,
+                 max_signatures: int = 64,
                  stale_outputs: str = "copy", on_event: Callable[[str], None] | None = None) -> None:
         self.compiled = compiled
         inductor.mark_boxed(self)
         self.stats = ReplayStats(name)
         self._recorder = recorder
         self._module_state = module_state
+        # inputs the compiled function writes (AOTAutograd keeps a write into an input in its graph):
+        # the caller's tensors themselves, never copies; by address, but not a layer's identity,
+        # which the ranks of a distributed run must agree on whatever the allocator hands each
+        self._written = set(written)
         self._warmup = warmup
         self._max_signatures = max_signatures  # one per set of in-place addresses (a layer's parameters)
         self._on_event = on_event
@@ -379,7 +384,7 @@ class GraphedFunction:
             return None
         held = self._handouts.held(args)
         steady = self._steady_inputs(args) - held
-        in_place = set(self._in_place_idxs) | held | steady
+        in_place = set(self._in_place_idxs) | held | steady | self._written
         copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
         ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
         # numbers are recorded as constants: a different value needs a recording of its own; the

@@ -134,7 +134,7 @@ class CudaGraphs(Transform):
         if whole is not None:
             record.skipped("graph", whole)
             return None
-        breaks = find_breaks(graph.gm, recorder.device_type)
+        breaks = find_breaks(graph.gm, graph.stable_inputs(), recorder.device_type)
         for node_break in breaks.values():
             record.skipped(f"{node_break.op} (node {node_break.node})" + (f" at {node_break.source}" if node_break.source
                                                                            else ""),
@@ -157,17 +157,15 @@ class CudaGraphs(Transform):
                  written: Sequence[int]) -> GraphedFunction:
             # Inductor counts a backward's saved tensors as static (CUDA Graph Trees keep the
             # forward's outputs in place); here those the forward's replay left in the pool are
-            # read in place (`GraphedFunction` finds them), and any others copied in. An input the
-            # graph writes (a static KV cache) is the caller's tensor itself, never a copy: a
-            # recording is made for its address, as for a buffer's, once a call finds it there again
-            static = (set(static_input_idxs) if kind != "backward" else set()) | set(written)
+            # read in place (`GraphedFunction` finds them), and any others copied in
+            static = set(static_input_idxs) if kind != "backward" else set()
 
             def is_module_state(index: int, t: torch.Tensor) -> bool:
                 return (index in static or isinstance(t, nn.Parameter) or has_static_address(t)
                         or _layout(t) in module_state)
 
             function = GraphedFunction(compiled, f"{kind} {len(self.functions)}", recorder, is_module_state,
-                                       warmup=self.warmup, max_signatures=self.max_signatures,
+                                       written=written, warmup=self.warmup, max_signatures=self.max_signatures,
                                        stale_outputs=self.stale_outputs, on_event=record.note)
             self.functions.append(function)
             return function
