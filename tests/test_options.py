@@ -58,3 +58,14 @@ def test_bad_backend_options(options, shown):
     with pytest.raises(ValueError) as caught:
         xform.Backend.from_options(options)
     assert shown in str(caught.value)
+
+
+def test_a_bad_option_given_to_torch_compile_is_xforms_error_first():
+    """torch.compile hands the options to the backend at the first call, inside Dynamo, which wraps
+    what a backend raises in BackendCompilerFailed with torch's "report a bug" text: xform's error is
+    passed on as it is, a ValueError whose message is xform's."""
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="xform", options={"transforms": ["cast:bf17"]})
+    with pytest.raises(ValueError) as raised:
+        compiled(torch.randn(2, 4))
+    assert not isinstance(raised.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(raised.value).startswith("xform: transform 'cast': option dtype='bf17' is not accepted")

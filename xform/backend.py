@@ -25,6 +25,7 @@ from xform._torch.dynamo import DYNAMO_SIGNALS, DynamoFrame, current_compile_id
 from xform._torch.functorch import functorch_on
 from xform.captured import CapturedGraph
 from xform.handoff import make_handoff
+from xform.faults import passed_on
 from xform.log import logger
 from xform.pipeline import Pipeline
 from xform.report import GraphRecord, records
@@ -105,6 +106,8 @@ class Backend:
         except DYNAMO_SIGNALS:
             records.remove(record)  # Dynamo retraces or breaks this graph: nothing the record says ran
             raise
+        except ValueError as error:  # bad input, said by xform: to the user as it is
+            raise passed_on(error) from error
         record.xform_seconds = time.perf_counter() - start - record.handoff_seconds
         return compiled
 
@@ -146,8 +149,14 @@ def _register(record: GraphRecord, graph: CapturedGraph) -> None:
 
 def xform_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
                   mode: str | None = None) -> Callable[..., Any]:
-    """`backend="xform"`: the entry point torch finds through the `torch_dynamo_backends` group."""
-    return Backend.from_options(options, mode=mode)(gm, example_inputs)
+    """`backend="xform"`: the entry point torch finds through the `torch_dynamo_backends` group.
+    Options are checked here, at the first call (torch.compile hands them over only then): a bad one
+    is an `XformError` (a ValueError) that Dynamo passes on as it is."""
+    try:
+        backend = Backend.from_options(options, mode=mode)
+    except ValueError as error:
+        raise passed_on(error) from None
+    return backend(gm, example_inputs)
 
 
 def compile(model: nn.Module | Callable[..., Any], *transforms: Transform | str, handoff: str = "inductor",

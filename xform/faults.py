@@ -9,6 +9,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xform._torch.dynamo import PassedOnError
+
 if TYPE_CHECKING:
     from xform.transform import Transform
 
@@ -25,6 +27,26 @@ class TransformFailed(RuntimeError):
         self.transform, self.hook = transform, hook
         self.reason = f"{type(error).__name__}: {error} ({raised_at(error)})"
         super().__init__(f"xform: transform '{transform.name}' failed in {hook}: {self.reason}")
+
+
+class XformError(PassedOnError, ValueError):
+    """A `ValueError` of xform's (a bad option, an input a transform refuses) raised inside a
+    compile: Dynamo passes it to the user as it is, its message xform's, not wrapped in
+    `BackendCompilerFailed`."""
+
+
+_PASSED_ON: dict[type, type] = {}
+
+
+def passed_on(error: ValueError) -> ValueError:
+    """`error` as an `XformError` that is still of its own class (`QuantizeUnsupported`, say), so
+    that Dynamo passes it on and `except` clauses naming its class still catch it."""
+    if isinstance(error, XformError):
+        return error
+    kind = type(error)
+    if kind not in _PASSED_ON:
+        _PASSED_ON[kind] = type(kind.__name__, (XformError, kind), {"__module__": kind.__module__})
+    return _PASSED_ON[kind](str(error))
 
 
 class TransformDropped(UserWarning):

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
-from torch._dynamo.exc import RestartAnalysis, SkipFrame, TorchDynamoException, exceptions_allowed_to_be_fallback
+from torch._dynamo.exc import (RestartAnalysis, ShortenTraceback, SkipFrame, TorchDynamoException,
+                               exceptions_allowed_to_be_fallback)
 
 from xform._torch import versions
 
@@ -31,6 +32,14 @@ from xform._torch import versions
 DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame, *exceptions_allowed_to_be_fallback)
 
 DynamoError = TorchDynamoException  # what a failed Dynamo trace raises
+
+
+class PassedOnError(ShortenTraceback):
+    """An exception Dynamo hands to the user as it is, where it wraps any other a backend raises in
+    `BackendCompilerFailed` with torch's "report a bug to PyTorch" text."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, first_useful_frame=None)
 
 
 @dataclass
