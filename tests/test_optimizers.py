@@ -104,3 +104,25 @@ def test_an_optimizer_of_other_parameters_is_left_alone():
     held = [p for p in other.parameters()]
     xform.compile(model, "cast:bf16", handoff="eager")(torch.randn(2, 16))
     assert [p for g in sgd.param_groups for p in g["params"]] == held
+
+
+def test_after_a_refusal_loading_state_that_fits_lets_it_step():
+    old = nn.Parameter(torch.randn(8, 4))
+    sgd = torch.optim.SGD([old], lr=0.1, momentum=0.9)
+    old.grad = torch.ones_like(old)
+    sgd.step()
+    shard = nn.Parameter(torch.randn(4, 4))
+    retarget_optimizers([Replacement(old, shard, "layers.0.weight", "distribute")])
+    fresh = torch.optim.SGD([nn.Parameter(torch.randn(4, 4))], lr=0.1, momentum=0.9)
+    sgd.load_state_dict(fresh.state_dict())  # what the message says to do: state made for the shard
+    shard.grad = torch.ones_like(shard)
+    sgd.step()
+
+
+def test_state_not_shaped_like_the_parameter_follows_as_it_is():
+    """Adafactor keeps row and column factors, not per-element moments: they follow a cast unchanged."""
+    model = _model()
+    adafactor = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    _train(model, adafactor, model, steps=2)
+    losses = _train(model, adafactor, xform.compile(model, "cast:bf16", handoff="eager"))
+    assert losses[-1] < losses[0]

@@ -69,3 +69,29 @@ def test_a_bad_option_given_to_torch_compile_is_xforms_error_first():
         compiled(torch.randn(2, 4))
     assert not isinstance(raised.value, torch._dynamo.exc.BackendCompilerFailed)
     assert str(raised.value).startswith("xform: transform 'cast': option dtype='bf17' is not accepted")
+
+
+def test_an_error_passed_on_keeps_its_class_arguments_and_pickles():
+    import pickle
+
+    from xform.faults import XformError, passed_on
+    from xform.transforms import QuantizeUnsupported
+
+    error = passed_on(QuantizeUnsupported("xform: transform 'quantize': recipe 'nvfp4' needs ..."))
+    assert isinstance(error, QuantizeUnsupported) and isinstance(error, XformError) and isinstance(error, ValueError)
+    assert error.args == ("xform: transform 'quantize': recipe 'nvfp4' needs ...",)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and again.args == error.args
+
+
+def test_a_value_error_not_of_xforms_making_is_left_to_dynamo(monkeypatch):
+    """Only xform's own word on bad input ("xform: ...") is passed on as it is: any other ValueError
+    in a compile is a bug, and keeps Dynamo's report of it."""
+    class Buggy(xform.Transform):
+        name = "buggy"
+
+        def transform_graph(self, graph, record):
+            raise ValueError("not enough values to unpack")
+
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="not enough values to unpack"):
+        xform.compile(torch.nn.Linear(4, 4), Buggy(), handoff="eager")(torch.randn(2, 4))

@@ -106,8 +106,11 @@ class Backend:
         except DYNAMO_SIGNALS:
             records.remove(record)  # Dynamo retraces or breaks this graph: nothing the record says ran
             raise
-        except ValueError as error:  # bad input, said by xform: to the user as it is
-            raise passed_on(error) from error
+        except ValueError as error:
+            if not str(error).startswith("xform:"):  # not xform's word on bad input: as Dynamo reports it
+                raise
+            records.remove(record)  # nothing was compiled
+            raise passed_on(error).with_traceback(error.__traceback__) from None
         record.xform_seconds = time.perf_counter() - start - record.handoff_seconds
         return compiled
 
@@ -154,8 +157,8 @@ def xform_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     is an `XformError` (a ValueError) that Dynamo passes on as it is."""
     try:
         backend = Backend.from_options(options, mode=mode)
-    except ValueError as error:
-        raise passed_on(error) from None
+    except ValueError as error:  # every option error is xform's own ("xform: ...")
+        raise passed_on(error).with_traceback(error.__traceback__) from None
     return backend(gm, example_inputs)
 
 

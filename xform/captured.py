@@ -219,6 +219,8 @@ class CapturedGraph:
                 other.owner = new
                 held = getattr(new, other.name)
                 if held is not other.tensor:
+                    self.replacements.append(Replacement(other.tensor, held, other.fqn, by))
+                    self.on_undo(self.replacements.pop)
                     self._adopt(other, held, by=by)
 
     def add_constant_input(self, name: str, tensor: torch.Tensor) -> fx.Node:
@@ -283,6 +285,9 @@ class CapturedGraph:
         for node in self.gm.graph.nodes:
             for key in ("grapharg", "example_value", "val"):
                 node.meta.pop(key, None)
+        for module in self.gm.modules():  # regions split off share the nodes' meta: their example values stay
+            for node in getattr(getattr(module, "graph", None), "nodes", ()):
+                node.meta.pop("grapharg", None)
         self.frame = None
 
     def undo_model_changes(self) -> None:

@@ -45,8 +45,18 @@ def passed_on(error: ValueError) -> ValueError:
         return error
     kind = type(error)
     if kind not in _PASSED_ON:
-        _PASSED_ON[kind] = type(kind.__name__, (XformError, kind), {"__module__": kind.__module__})
-    return _PASSED_ON[kind](str(error))
+        _PASSED_ON[kind] = type(kind.__name__, (XformError, kind), {"__module__": kind.__module__,
+                                                                    "__reduce__": _reduce_passed_on})
+    passed = _PASSED_ON[kind](str(error))
+    passed.args = error.args
+    passed.__dict__.update(vars(error))
+    passed.original = error
+    return passed
+
+
+def _reduce_passed_on(self: BaseException) -> tuple[Any, tuple[Any, ...]]:
+    """Pickled as the error it was made from, passed on again when unpickled (a process pool)."""
+    return passed_on, (self.original,)
 
 
 class TransformDropped(UserWarning):
@@ -66,10 +76,12 @@ def warn_dropped(owners: list[Any], failure: TransformFailed) -> None:
         return
     for owner in fresh:
         _warned[owner].add(name)
-    warnings.warn(f"xform: compiled without transform '{name}': xform's own code failed in {failure.hook}: "
-                  f"{failure.reason}. The model runs as if '{name}' had not been asked for; xform.report(model) "
-                  f"says which graphs. Please report this; XFORM_STRICT=1 raises instead.",
-                  TransformDropped, stacklevel=2)
+    # explicitly, with a registry of its own: Python's would say one text once per line of xform's,
+    # and a second model failing alike would go unsaid; the once-per-model rule is `_warned`'s
+    warnings.warn_explicit(f"xform: compiled without transform '{name}': xform's own code failed in "
+                           f"{failure.hook}: {failure.reason}. The model runs as if '{name}' had not been asked "
+                           f"for; xform.report(model) says which graphs. Please report this; XFORM_STRICT=1 raises "
+                           f"instead.", TransformDropped, __file__, 0, registry={})
 
 
 def transform_failure(error: BaseException | None) -> TransformFailed | None:

@@ -27,7 +27,8 @@ QUIETED = {
     "torchao": ("Failed to load",),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
 }
-QUIETED_WARNINGS = (r".* does not implement _stable_hash_for_caching.*",)
+QUIETED_WARNINGS = (r"(Float8Tensor|Float8TrainingTensor|MXTensor|NVFP4Tensor) does not implement "
+                    r"_stable_hash_for_caching",)
 
 
 class _Dropping(logging.Filter):
@@ -46,8 +47,8 @@ def quiet_dependencies() -> None:
         dependency = logging.getLogger(name)
         if not any(isinstance(f, _Dropping) for f in dependency.filters):
             dependency.addFilter(_Dropping(starts))
-    for message in QUIETED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for message in QUIETED_WARNINGS:  # appended: a user's own filters come first
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, append=True)
 
 
 def configure_from_env(environ: dict[str, str] | None = None) -> None:

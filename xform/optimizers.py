@@ -29,18 +29,19 @@ class Replacement:
     by: str
 
 
-def _followed(state: dict[str, Any], new: torch.Tensor) -> dict[str, Any] | None:
-    """An optimizer's state for a parameter, made fit for its replacement: per-element tensors (momenta)
-    in the replacement's dtype, numbers and scalars (the step count) as they are; None where a
-    per-element tensor has another shape than the replacement."""
+def _followed(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any] | None:
+    """An optimizer's state for a parameter, made fit for its replacement: floating tensors (momenta,
+    an Adafactor's factors) in the replacement's dtype, numbers and scalars (the step count) as they
+    are; None where per-element state cannot follow a replacement of another shape (a parameter cut
+    into this rank's shard)."""
     moved = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             moved[key] = value
-        elif value.shape == new.shape:
-            moved[key] = value.to(dtype=new.dtype)
-        else:
+            continue
+        if value.shape == old.shape and old.shape != new.shape:
             return None
+        moved[key] = value.to(dtype=new.dtype) if value.is_floating_point() else value
     return moved
 
 
@@ -78,13 +79,14 @@ def retarget_optimizers(replacements: list[Replacement]) -> dict[str, list[str]]
                 params[index] = found.new
                 moved.append(found)
                 if param in optimizer.state:
-                    state = _followed(optimizer.state.pop(param), found.new)
+                    state = _followed(optimizer.state.pop(param), param, found.new)
                     if state is None:
                         blocked.append(found)
                     else:
                         optimizer.state[found.new] = state
         if blocked:
-            optimizer.register_step_pre_hook(_refuse_steps(blocked))
+            refusal = optimizer.register_step_pre_hook(_refuse_steps(blocked))
+            optimizer.register_load_state_dict_post_hook(lambda _: refusal.remove())  # state that fits: steps
         for by in sorted({r.by for r in moved}):
             count = sum(r.by == by for r in moved)
             said.setdefault(by, []).append(

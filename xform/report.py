@@ -50,13 +50,15 @@ class TransformRecord:
     notes: list[str] = field(default_factory=list)
     failure: str | None = None  # set when the transform raised and the graph was compiled without it
     seconds: float = 0.0
+    _logged: set[str] = field(default_factory=set, repr=False, compare=False)  # skip reasons logged
 
     def changed(self, kind: str, target: str, detail: str = "") -> None:
         self.changes.append(Change(kind, target, detail))
         logger.info("%s changed %s %s: %s", self.transform, kind, target, detail)
 
     def skipped(self, target: str, reason: str) -> None:
-        if all(s.reason != reason for s in self.skips):  # logged once per reason, as the report groups them
+        if reason not in self._logged:  # logged once per reason, as the report groups them
+            self._logged.add(reason)
             logger.info("%s skipped %s: %s", self.transform, target, reason)
         self.skips.append(Skip(target, reason))
 

@@ -14,7 +14,7 @@ versions xform supports (2.11 to 2.14) is named once, in `versions`.
 - `distributed` torch.distributed's functional collectives
 - `functorch`  functorch (vmap) kept on where an exception left it off
 - `memory`     storages and the CUDA caching allocator: pools, unowned storages, invalidation
-- `modules`    nn.Module's private methods: tensors converted in place, state-dict hooks
+- `modules`    nn.Module's private state: tensors converted in place, state-dict hooks, hooks carried over
 - `flex_attention` flex_attention's private helpers
 - `logs`       torch's logging registry (TORCH_LOGS=xform)
 """

@@ -1,5 +1,5 @@
-"""torch's logging registry: `TORCH_LOGS=xform` and `torch._logging.set_logs(xform=...)` name
-xform's logger as they name Dynamo's."""
+"""torch's logging registry: `TORCH_LOGS=xform` and `torch._logging.set_logs(modules={"xform": ...})`
+name xform's logger as they name Dynamo's."""
 
 from __future__ import annotations
 

@@ -36,7 +36,11 @@ def carry_over(old: nn.Module, new: nn.Module) -> None:
     handles still remove them) and the attributes `old` has that `new` lacks (`lora_scale`, say)."""
     for name in _HOOKS:
         if hasattr(old, name):
-            object.__setattr__(new, name, getattr(old, name))
+            hooks = getattr(old, name)
+            if isinstance(hooks, dict) and isinstance(getattr(new, name, None), dict):
+                for key, hook in getattr(new, name).items():  # the new class's own hooks stay
+                    hooks.setdefault(key, hook)
+            object.__setattr__(new, name, hooks)
     for name, value in vars(old).items():
         if name not in vars(new) and not name.startswith("_"):
             object.__setattr__(new, name, value)

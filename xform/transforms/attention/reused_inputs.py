@@ -46,18 +46,20 @@ class ReusedComputation:
         self.compute, self.indices = compute, tuple(indices)
         self.compile_with_inductor = compile_with_inductor
         self.computed = 0
-        self._kept: list[torch.Tensor | None] = []
-        self._results: tuple[torch.Tensor, ...] = ()
+        # the values read at the last computation and its results, replaced together (a call in
+        # another thread sees one pair or the other)
+        self._last: tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]] = ([], ())
         self._compiled: Callable[..., Any] | None = None
 
     def prime(self, reads: Sequence[torch.Tensor], results: tuple[torch.Tensor, ...]) -> None:
         """Take `results` as computed from `reads` (the example inputs, at compile time)."""
-        self._kept, self._results = [_kept(t) for t in reads], results
+        self._last = ([_kept(t) for t in reads], results)
 
     def __call__(self, args: tuple) -> tuple[torch.Tensor, ...]:
         reads = [args[i] for i in self.indices]
-        if self._kept and all(_unchanged(k, t) for k, t in zip(self._kept, reads)):
-            return self._results
+        kept, results = self._last
+        if kept and all(_unchanged(k, t) for k, t in zip(kept, reads)):
+            return results
         with torch.no_grad():
             results = tuple(self._run(reads))
         self.computed += 1

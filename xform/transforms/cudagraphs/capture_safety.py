@@ -158,9 +158,9 @@ def _writes_graph_input(stable: set[fx.Node]) -> Callable[[fx.Node, Any], tuple[
         root = alias_base(node.args[0])
         if root.op != "placeholder" or root in stable:
             return None
-        return (f"it writes in place into the graph input '{root.name}', which a replay could read from a copy "
-                f"of its own (an input found at another address than the recording's), so the tensor you passed "
-                f"would not change",
+        return (f"it writes in place into the graph input '{root.name}', which is neither module state nor marked "
+                f"as keeping its address: a recording writes the tensor at the address it was recorded with, so "
+                f"one passed at a new address on each call would need a recording on each call",
                 "return the new value instead of modifying the argument, or make the tensor a registered buffer "
                 "of the module or mark it with torch._dynamo.mark_static_address (as Hugging Face's static cache "
                 "is): those are recorded in place")

@@ -152,7 +152,7 @@ class CudaGraphs(Transform):
         return self._split(graph, plan, compile, wrap, record)
 
     def _wrapper(self, recorder: GraphRecorder, module_state: set[Layout],
-                 record: TransformRecord) -> Callable[[Callable[..., Any], str, Sequence[int]], GraphedFunction]:
+                 record: TransformRecord) -> Callable[[Callable[..., Any], str, Sequence[int], Sequence[int]], GraphedFunction]:
         def wrap(compiled: Callable[..., Any], kind: str, static_input_idxs: Sequence[int],
                  written: Sequence[int]) -> GraphedFunction:
             # Inductor counts a backward's saved tensors as static (CUDA Graph Trees keep the

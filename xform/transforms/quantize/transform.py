@@ -71,9 +71,10 @@ def _quantizing_on_load(recipe: str, plan: Plan, name: str) -> Callable[..., Non
         key, held = prefix + name, getattr(module, name)
         value = state.get(key)
         if isinstance(value, torch.Tensor) and type(value) is not type(held) and value.shape == held.shape:
-            layer = nn.Linear(value.shape[1], value.shape[0], bias=False, device=value.device, dtype=held.dtype)
+            layer = torch.nn.utils.skip_init(nn.Linear, value.shape[1], value.shape[0], bias=False,
+                                             device=held.device, dtype=held.dtype)
             with torch.no_grad():
-                layer.weight.copy_(value)
+                layer.weight.copy_(value)  # from the checkpoint's device (often the CPU) to the model's
             state[key] = RECIPES[recipe].apply(layer, plan).weight
 
     return hook
