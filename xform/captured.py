@@ -282,12 +282,11 @@ class CapturedGraph:
         for tensor in [r.new for r in self.replacements] + [t for t in self.added_inputs if isinstance(t, torch.Tensor)]:
             if fake_mode is not None:
                 forget_real_tensor(fake_mode, tensor)
-        for node in self.gm.graph.nodes:
-            for key in ("grapharg", "example_value", "val"):
-                node.meta.pop(key, None)
         for module in self.gm.modules():  # regions split off share the nodes' meta: their example values stay
+            keys = ("grapharg", "example_value", "val") if module is self.gm else ("grapharg",)
             for node in getattr(getattr(module, "graph", None), "nodes", ()):
-                node.meta.pop("grapharg", None)
+                for key in keys:
+                    node.meta.pop(key, None)
         self.frame = None
 
     def undo_model_changes(self) -> None:

@@ -93,7 +93,7 @@ class InductorHandoff:
             kind = _aot_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
             if aot_hook is not None:
                 aot_hook(aot_gm, kind)
-            written = written_inputs(aot_gm)
+            written = written_inputs(aot_gm) if wrap_inner is not None else ()  # before Inductor edits the graph
             compiled = inductor.compile_fx_inner(aot_gm, inputs, *args, **kwargs)
             return compiled if wrap_inner is None else wrap_inner(compiled, kind, kwargs.get("static_input_idxs", ()),
                                                                   written)
