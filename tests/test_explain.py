@@ -1,5 +1,5 @@
-"""`python -m xform explain`: what each transform would do and every CUDA-graph break, without a GPU;
-and a bad target said with what to change."""
+"""`python -m xform explain` and `xform.explain(model, *args, transforms=...)`: what each transform
+would do and every CUDA-graph break, without a GPU; and a bad target said with what to change."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import xform
 from xform.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,12 +123,56 @@ def test_a_module_target_and_chosen_transforms(script):
 def test_the_defaults_follow_the_models_mode():
     from torch import nn
 
-    from xform.explain import default_transforms
+    from xform.explainer import default_transforms
 
     model = nn.Linear(4, 4)
     assert default_transforms(model) == ["quantize:float8-rowwise", "flex-attention", "distribute:fsdp", "cudagraphs"]
     assert default_transforms(model.eval()) == ["quantize:float8-weight-only", "flex-attention", "cudagraphs"]
     assert default_transforms(model.train().requires_grad_(False))[0] == "quantize:float8-weight-only"
+
+
+# --- from Python ---------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        h = self.fc(x)
+        return h * scale + torch.arange(16).to(h.device)
+
+
+def test_explain_from_python_gives_both_reports_and_leaves_the_model_as_it_was():
+    model = Block().eval()
+    weight = model.fc.weight
+    found = xform.explain(model, torch.randn(4, 16), transforms=["cast:bf16", "cudagraphs"], scale=2.0)
+    assert isinstance(found, xform.Explanation)
+    assert [(c.target, c.detail.split(",")[0]) for c in found.transforms.changes("cast") if c.target == "fc"] == \
+        [("fc", "float32 -> bfloat16")]
+    breaks = [s for s in found.cuda_graphs.skips("cudagraphs") if "torch.arange" in s.target]
+    assert breaks and "a CUDA graph records cuda work only" in breaks[0].reason
+    text = str(found)
+    assert text.startswith("xform explain Block\nmodel: Block (eval mode, 272 parameters), called with "
+                           "(tensor[4, 16] float32, scale=float)\ntransforms: cast:bf16, cudagraphs\n")
+    assert "2 region break(s)" in text  # torch.arange and its copy to the device
+    assert model.fc.weight is weight and weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def test_explain_from_python_takes_a_comma_separated_spec_and_defaults_to_the_models_mode():
+    only_cast = xform.explain(Block(), torch.randn(4, 16), transforms="cast:bf16")
+    assert only_cast.cuda_graphs is None and only_cast.transforms.changes("cast")
+    defaults = xform.explain(Block().eval(), torch.randn(4, 16))
+    assert "(the defaults for this mode; transforms= to choose)" in defaults.sections[0]
+
+
+def test_explain_from_python_says_what_it_takes():
+    with pytest.raises(ValueError, match=r"^xform.explain takes the model \(an nn.Module\) first, then its inputs, not "
+                                         r"a Tensor: xform.explain\(model, \*args, transforms=\[...\], \*\*kwargs\)$"):
+        xform.explain(torch.randn(4, 16), Block())
+    with pytest.raises(ValueError, match="^xform: unknown transform .cudagraph. in spec .cudagraph.; accepted: "):
+        xform.explain(Block(), torch.randn(4, 16), transforms=["cudagraph"])
 
 
 # --- a bad target, said with what to change ----------------------------------------------------

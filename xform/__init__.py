@@ -5,11 +5,13 @@ transforms, then hands the result to Inductor.
     torch.compile(model, backend=xform.Backend(["cast:bf16"]))
     xform.compile(model, "cast:bf16")
     print(xform.report(compiled))
+    print(xform.explain(model, x, transforms=["cast:bf16", "cudagraphs"]))   # without a GPU
 """
 
 from xform import transforms
 from xform.backend import Backend, compile
 from xform.captured import CapturedGraph, GraphParameter
+from xform.explainer import Explanation, explain
 from xform.guards import GuardChange, GuardModel, TensorExpectation
 from xform.log import configure_from_env, quiet_dependencies
 from xform.registry import TransformNotAvailable, available_transforms, register_transform
@@ -22,6 +24,7 @@ quiet_dependencies()
 __all__ = [
     "Backend",
     "CapturedGraph",
+    "Explanation",
     "GraphParameter",
     "GuardChange",
     "GuardModel",
@@ -31,6 +34,7 @@ __all__ = [
     "TransformNotAvailable",
     "available_transforms",
     "compile",
+    "explain",
     "register_transform",
     "report",
     "transforms",

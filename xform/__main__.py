@@ -1,4 +1,4 @@
-"""The command line: `python -m xform explain TARGET [--transforms SPECS]` (see xform/explain.py)."""
+"""The command line: `python -m xform explain TARGET [--transforms SPECS]` (see xform/explainer.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from xform.explain import explain  # imports torch: after the arguments are known good
+    from xform.explainer import explain_target  # imports torch: after the arguments are known good
 
     try:
-        for section in explain(args.target, args.transforms):
+        for section in explain_target(args.target, args.transforms):
             print(section, flush=True)
     except (ValueError, TransformNotAvailable) as error:  # a bad target or spec: the message says what to change
         print(f"xform explain: {error}", file=sys.stderr)

@@ -1,6 +1,8 @@
-"""`python -m xform explain TARGET [--transforms SPECS]`: what xform would do to a model, without a GPU.
+"""What xform would do to a model, without a GPU: `xform.explain(model, *args, transforms=...)` from
+Python (like `torch._dynamo.explain(fn)(*args)`), and `python -m xform explain TARGET [--transforms SPECS]`.
 
-TARGET names a function, `path/to/script.py:make_model` or `package.module:make_model`. The
+From Python, the model is copied for each trace below, so the model given is left as it was. From
+the command line, TARGET names a function, `path/to/script.py:make_model` or `package.module:make_model`. The
 function takes no argument and returns `(model, args)` or `(model, args, kwargs)`: an `nn.Module`
 and the example inputs of one call, `model(*args, **kwargs)`, built on the CPU at any size the
 CPU's memory holds (the model's train/eval mode is the one explained). It is called twice, since
@@ -27,6 +29,7 @@ Explain traces the model twice, because a machine without a GPU cannot give both
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import re
@@ -34,12 +37,11 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-import xform
 import xform.transforms.cudagraphs.transform as cudagraphs_module
 from xform._torch.dispatch import FakeTensorMode
 from xform._torch.modules import convert_tensors
@@ -47,7 +49,7 @@ from xform._torch.dynamo import DynamoError
 from xform._torch.pytree import tree_map
 from xform.backend import Backend
 from xform.registry import resolve
-from xform.report import Report, Skip
+from xform.report import Report, Skip, report
 
 TRAINING_DEFAULT = ("quantize:float8-rowwise", "flex-attention", "distribute:fsdp", "cudagraphs")
 INFERENCE_DEFAULT = ("quantize:float8-weight-only", "flex-attention", "cudagraphs")
@@ -170,7 +172,7 @@ def trace_transforms(example: Example, specs: list[str]) -> Report:
     compiled = torch.compile(example.model, backend=Backend(specs, handoff="eager"))
     with torch.set_grad_enabled(example.model.training):
         _call(compiled, example)
-    return xform.report(example.model)
+    return report(example.model)
 
 
 def _call(compiled: Callable[..., Any], example: Example) -> None:
@@ -250,10 +252,10 @@ def trace_cuda_graphs(example: Example, spec: str) -> Report:
                 f"{str(error).strip().splitlines()[0]} ... A few things that work on a GPU fail there: Dynamo keeps "
                 f"torch.tensor(data, device=x.device) as a plain meta tensor, as in transformers' KV cache "
                 f"(pass use_cache=False). The sections above are complete") from error
-    report = xform.report(fake.model)
-    for t in (t for g in report.graphs for t in g.transforms):
+    graphs = report(fake.model)
+    for t in (t for g in graphs.graphs for t in g.transforms):
         t.skips = [Skip(s.target, _as_cuda(s.reason)) for s in t.skips]
-    return report
+    return graphs
 
 
 def _as_cuda(reason: str) -> str:
@@ -278,35 +280,80 @@ def _describe_value(value: Any) -> str:
     return type(value).__name__
 
 
-def explain(target: str, transforms: str | None = None) -> Iterator[str]:
-    """The explanation of TARGET under the transforms (a comma-separated spec list; None: the
-    defaults), section by section, so that what is known is shown before a later trace fails."""
+@dataclass
+class Explanation:
+    """What explain found: the report of the transforms' trace (None when only cudagraphs was asked
+    for), the report of the CUDA-graph trace (None when cudagraphs was not), and the text, section
+    by section, that `str()` joins."""
+
+    transforms: Report | None
+    cuda_graphs: Report | None
+    sections: list[str]
+
+    def __str__(self) -> str:
+        return "\n".join(self.sections)
+
+
+def explain(model: nn.Module, *args: Any, transforms: str | Sequence[str] | None = None,
+            **kwargs: Any) -> Explanation:
+    """What the transforms (specs, as a list or comma-separated; None: the defaults for the model's
+    mode) would do to `model(*args, **kwargs)`, and every CUDA-graph break, without a GPU. Each trace
+    runs on a copy of the model: `model` is left as it was."""
+    if not isinstance(model, nn.Module):
+        raise ExplainError(f"xform.explain takes the model (an nn.Module) first, then its inputs, not a "
+                           f"{type(model).__name__}: xform.explain(model, *args, transforms=[...], **kwargs)")
+    specs = parse_specs(transforms if isinstance(transforms, str) else ",".join(transforms)) \
+        if transforms is not None else None
+    found = Explanation(None, None, [])
+
+    def fresh() -> Example:
+        return Example(copy.deepcopy(model), args, kwargs)
+
+    for section, kind, graphs in _sections(type(model).__name__, fresh, specs, "transforms="):
+        found.sections.append(section)
+        if kind:
+            setattr(found, kind, graphs)
+    return found
+
+
+def explain_target(target: str, transforms: str | None = None) -> Iterator[str]:
+    """The command line's explanation of TARGET under the transforms (a comma-separated spec list;
+    None: the defaults), section by section, so that what is known is shown before a later trace fails."""
     factory = load_target(target)
-    example = build(factory, target)
-    specs = parse_specs(transforms) if transforms is not None else default_transforms(example.model)
+    specs = parse_specs(transforms) if transforms is not None else None
+    for section, _, _ in _sections(target, lambda: build(factory, target), specs, "--transforms "):
+        yield section
+
+
+def _sections(title: str, fresh: Callable[[], Example], specs: list[str] | None,
+              choose: str) -> Iterator[tuple[str, str | None, Report | None]]:
+    """Each section's text, with the Explanation field its report fills, if any; `fresh()` gives a
+    model not yet traced (each trace changes the model it is given)."""
+    example = fresh()
+    chosen = specs is not None
+    specs = specs if specs is not None else default_transforms(example.model)
     graphed = [s for s in specs if s.partition(":")[0] == "cudagraphs"]
     others = [s for s in specs if s not in graphed]
-    yield "\n".join([f"xform explain {target}", f"model: {describe_example(example)}",
-                     f"transforms: {', '.join(specs)}" + ("" if transforms is not None else
-                                                          " (the defaults for this mode; --transforms to choose)")])
+    yield "\n".join([f"xform explain {title}", f"model: {describe_example(example)}",
+                     f"transforms: {', '.join(specs)}" + ("" if chosen else
+                                                          f" (the defaults for this mode; {choose} to choose)")]), None, None
     if others:
+        graphs = trace_transforms(example, others)
         yield "\n".join(["", f"== {', '.join(others)}: one call on the CPU with the real weights, handoff eager "
                              f"(nothing compiled; choices that depend on the GPU are the CPU's here) ==", "",
-                         str(trace_transforms(example, others))])
+                         str(graphs)]), "transforms", graphs
     if graphed:
-        if others:
-            example = build(factory, target)
-        report = trace_cuda_graphs(example, graphed[0])
+        graphs = trace_cuda_graphs(fresh() if others else example, graphed[0])
         yield "\n".join(["", f"== {graphed[0]}: one call traced on fake tensors of a stand-in device for CUDA (no "
-                             f"GPU used, nothing computed) ==", "", report.describe("cudagraphs"), "",
-                         _break_summary(report)])
+                             f"GPU used, nothing computed) ==", "", graphs.describe("cudagraphs"), "",
+                         _break_summary(graphs)]), "cuda_graphs", graphs
 
 
-def _break_summary(report: Report) -> str:
-    breaks = [s for s in report.skips("cudagraphs") if s.target != "graph" and not s.target.startswith("region ")]
-    unrecorded = sum(1 for s in report.skips("cudagraphs") if s.target == "graph")
-    recorded = len(report.changes("cudagraphs"))
+def _break_summary(graphs: Report) -> str:
+    breaks = [s for s in graphs.skips("cudagraphs") if s.target != "graph" and not s.target.startswith("region ")]
+    unrecorded = sum(1 for s in graphs.skips("cudagraphs") if s.target == "graph")
+    recorded = len(graphs.changes("cudagraphs"))
     text = f"{len(breaks)} region break(s); {recorded} region(s) would be recorded as CUDA graphs"
     if unrecorded:
         text += f"; {unrecorded} graph(s) not recorded at all"
-    return text + f", over {len(report.graphs)} Dynamo graph(s)"
+    return text + f", over {len(graphs.graphs)} Dynamo graph(s)"
