@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Skipped, or_skipped, print_table, thunder_compile, write_result  # noqa: E402
+from common import Skipped, or_skipped, print_table, say, thunder_compile, write_result  # noqa: E402
 
 import xform  # noqa: E402
 
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
+    bar = tqdm(total=len(args.seq) * len(args.masks.split(",")), desc="attention", unit="mask", disable=None)
     for seq in args.seq:
         batch = max(1, TOKENS // seq)
         torch.manual_seed(0)
@@ -147,11 +149,14 @@ def main() -> None:
                 if isinstance(row.get("xform"), float) and isinstance(row.get("as written"), float):
                     row["as written / xform"] = round(row["as written"] / row["xform"], 3)
                 rows.append(row)
-                print(row, flush=True)
+                say(str(row))
                 write_result("attention", rows, args.out, partial=True)
-            print("xform:", [c.detail for g in xform.report(variants["xform"]).graphs for t in g.transforms
-                             for c in t.changes + t.skips], flush=True)
+            details = [c.detail for g in xform.report(variants["xform"]).graphs for t in g.transforms
+                       for c in t.changes + t.skips]
+            say(f"xform: {details}")
             torch._dynamo.reset()
+            bar.update()
+    bar.close()
     print_table(rows, ["seq", "mask", "mode", "as written", "flex triton", "flex flash", "xform", "xform new ids",
                        "thunder", "xform / flash", "as written / xform"])
     print("results:", write_result("attention", rows, args.out))

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+from tabulate import tabulate
 from torch import nn
+from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 T = TypeVar("T")
@@ -66,13 +68,49 @@ def write_result(name: str, rows: list[dict[str, Any]], out_dir: Path | None = N
     return path
 
 
+def say(text: str) -> None:
+    """Print a line above the progress bar (`tqdm.write`), flushed at once: a run cut short keeps its log."""
+    tqdm.write(text)
+    sys.stdout.flush()
+
+
 def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    """`columns` of `rows` as a markdown table, each value as `str()` writes it (ready to paste into the docs)."""
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    print("-|-".join("-" * w for w in widths))
-    for row in cells:
-        print(" | ".join(v.ljust(w) for v, w in zip(row, widths)))
+    print(tabulate(cells, headers=list(columns), tablefmt="github", disable_numparse=True))
+
+
+def run_in_process(script: str, spec: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`python script --one spec *args` in a process of its own (so no configuration is timed with
+    another's compiled code, caches or memory), `env` added to its environment: the JSON line it
+    prints last, or the end of its stderr."""
+    import os
+    import subprocess
+
+    done = subprocess.run([sys.executable, script, "--one", spec, *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), None)
+    row = json.loads(line) if line and done.returncode == 0 else {"spec": spec, "error": done.stderr[-3000:]}
+    say(json.dumps(row)[:600])
+    return row
+
+
+def first_then_timed(call: Callable[[], Any], untimed: int, repeats: int) -> tuple[float, list[float], Any]:
+    """Seconds of the first `call()` (it compiles), then `untimed` calls (graphs recorded on a later
+    call are recorded there), then the seconds of each of `repeats` calls, with the GPU's peak memory
+    statistics reset before them; and what the last call returned. Each time waits for the GPU."""
+    import time
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for i in range(1 + untimed + repeats):
+        if i == 1 + untimed and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        returned = call()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times[0], times[1 + untimed:], returned
 
 
 def cuda_ms(fn, warmup: int = 5, iters: int = 30) -> float:

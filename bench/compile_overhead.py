@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch._dynamo
 from torch import nn
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
@@ -57,8 +58,11 @@ def main() -> None:
     torch._functorch.config.enable_autograd_cache = False
 
     rows = []
-    for name, (model, x) in models(device).items():
+    chosen = models(device)
+    bar = tqdm(total=len(chosen) * (1 + 2 * args.repeats), desc="first steps", unit="compile", disable=None)
+    for name, (model, x) in chosen.items():
         first_step_seconds(model, x, "inductor")  # warm imports, kernel compile pools
+        bar.update()
         times: dict[str, list[float]] = {"inductor": [], "xform": []}
         own: list[float] = []
         for repeat in range(args.repeats):
@@ -68,6 +72,7 @@ def main() -> None:
                 times[backend].append(first_step_seconds(model, x, backend))
                 if backend == "xform":
                     own.append(sum(g.xform_seconds for g in xform.report(model).graphs[seen:]))
+                bar.update()
         inductor_s, xform_s = statistics.median(times["inductor"]), statistics.median(times["xform"])
         rows.append({
             "model": name, "device": device,
@@ -76,6 +81,7 @@ def main() -> None:
             "xform_own_ms": round(statistics.median(own) * 1e3, 2),
             "xform_own_pct": round(100 * statistics.median(own) / inductor_s, 2),
         })
+    bar.close()
     print_table(rows, ["model", "device", "inductor_s", "xform_s", "ratio", "xform_own_ms", "xform_own_pct"])
     print("results:", write_result("compile_overhead", rows, args.out, repeats=args.repeats))
 

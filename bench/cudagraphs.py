@@ -45,7 +45,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +52,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Skipped, print_table, thunder_compile, write_result  # noqa: E402
+from bench.common import Skipped, print_table, run_in_process, thunder_compile, write_result  # noqa: E402
 from bench.kernel_split import split  # noqa: E402
 from bench.memory_peak import PeakTracer  # noqa: E402
 from bench.models import DecodeLlama, Llama, LlamaConfig, WeightsAsInputs, plain_weights  # noqa: E402
@@ -224,16 +224,6 @@ def run_one(spec: str) -> dict[str, Any]:
     return {"spec": spec, **result, **({"xform": replay_stats()} if TRANSFORMS else {})}
 
 
-def run_spec(spec: str, env: dict[str, str]) -> dict[str, Any]:
-    """One configuration in a process of its own: its JSON row, or the end of its stderr."""
-    done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
-    line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), None)
-    row = json.loads(line) if line and done.returncode == 0 else {"spec": spec, "error": done.stderr[-2000:]}
-    print(json.dumps(row)[:400], flush=True)
-    return row
-
-
 def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], Any],
             processes: int = 1) -> list[dict[str, Any]]:
     """Memory runs `jobs` at a time (each process's Inductor gets its share of the CPUs), then
@@ -241,20 +231,25 @@ def run_all(specs: list[str], jobs: int, save: Callable[[list[dict[str, Any]]], 
     configuration that fills the compile caches; `save` gets the rows so far after each one, so
     that a run ended early (a time limit) keeps what it measured."""
     overlapping = [s for s in specs if s.startswith("memory") and jobs > 1]
+    timed = [s for s in specs if s not in overlapping]
+    primed = [s for s in timed if s.startswith("decode")]
     env = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
     rows: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for row in pool.map(lambda spec: run_spec(spec, env), overlapping):
-            rows.append(row)
-            save(rows)
-    timed = [s for s in specs if s not in overlapping]
-    for spec in timed:  # fill Inductor's and Triton's caches: every timed process then loads from them
-        if spec.startswith("decode"):
-            run_spec(spec, {PRIME_ENV: "1"})
-    for _ in range(processes):
-        for spec in timed:
-            rows.append(run_spec(spec, {}))
-            save(rows)
+    with tqdm(total=len(overlapping) + len(primed) + processes * len(timed), desc="cudagraphs", unit="process",
+              disable=None) as bar:
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            for row in pool.map(lambda spec: run_in_process(__file__, spec, env=env), overlapping):
+                rows.append(row)
+                save(rows)
+                bar.update()
+        for spec in primed:  # fill Inductor's and Triton's caches: every timed process then loads from them
+            run_in_process(__file__, spec, env={PRIME_ENV: "1"})
+            bar.update()
+        for _ in range(processes):
+            for spec in timed:
+                rows.append(run_in_process(__file__, spec))
+                save(rows)
+                bar.update()
     return rows
 
 

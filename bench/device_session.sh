@@ -2,8 +2,12 @@
 # One device call of a session (docs/contributing.md): install the carried wheels (.whl/), then
 #   1: the GPU tests, then bench/hf.py at batch 1 (reduce-overhead, xform)
 #   2: bench/hf.py at batch 8 (reduce-overhead, xform, xform-float8)
+#   3: bench/hf_train.py (a training step of a Llama and a sliding-window Mistral, seq 4096)
+#   4: bench/hf.py at batch 1 and 8 (reduce-overhead, xform-float8-dynamic)
+#   5: the short of 3 and 4 in one call: bf16 against xform's set per training model, then batch 1
+#   h: tests/test_hf_attention_gpu.py (flex-attention on Hugging Face families), measured SQNRs in its junit XML
 #   t: the GPU tests alone
-# Everything it writes goes under $OUT. Usage on the device: bash bench/device_session.sh 1|2|t
+# Everything it writes goes under $OUT. Usage on the device: bash bench/device_session.sh 1|2|3|4|5|h|t
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -21,6 +25,15 @@ case "$1" in
      timeout 300 python3 bench/hf.py --only reduce-overhead,xform --batches 1 --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/hf1.log" ;;
   2) timeout 560 python3 bench/hf.py --only reduce-overhead,xform,xform-float8 --batches 8 --repeats 3 --out "$OUT/b8" 2>&1 \
        | tee "$OUT/hf2.log" ;;
+  3) timeout 560 python3 bench/hf_train.py --out "$OUT" 2>&1 | tee "$OUT/train.log" ;;
+  4) timeout 560 python3 bench/hf.py --only reduce-overhead,xform-float8-dynamic --batches 1,8 --repeats 3 --out "$OUT" 2>&1 \
+       | tee "$OUT/hf4.log" ;;
+  5) timeout 320 python3 bench/hf_train.py --repeats 5 --out "$OUT" \
+       --only llama:inductor,llama:xform-float8-rowwise,sliding:inductor,sliding:xform-flex 2>&1 | tee "$OUT/train.log"
+     timeout 220 python3 bench/hf.py --only reduce-overhead,xform-float8-dynamic --batches 1 --repeats 3 --out "$OUT" 2>&1 \
+       | tee "$OUT/hf5.log" ;;
+  h) timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hf_attention_gpu.py \
+       --junitxml "$OUT/hf_attention_gpu.xml" 2>&1 | tail -40 | tee "$OUT/hf_attention_gpu.log" ;;
   t) gpu_tests 280 ;;
-  *) echo "usage: bash bench/device_session.sh 1|2|t" >&2; exit 2 ;;
+  *) echo "usage: bash bench/device_session.sh 1|2|3|4|5|h|t" >&2; exit 2 ;;
 esac

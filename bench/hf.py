@@ -14,6 +14,7 @@ Configurations (`--only` takes a comma-separated list of them, or of batch sizes
   torchao-float8-ro          torchao's float8 weight-only by hand (`quantize_`), then reduce-overhead
   xform                      CompileConfig(backend="xform", options={"transforms": ["cudagraphs"]})
   xform-float8               ["quantize:float8-weight-only", "cudagraphs"]
+  xform-float8-dynamic       ["quantize:float8-dynamic", "cudagraphs"]: float8 weights and activations
   xform-nvfp4                ["quantize:nvfp4-weight-only", "cudagraphs"]
   xform-flex                 ["flex-attention", "cudagraphs"]
 
@@ -26,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_result  # noqa: E402
+from bench.common import first_then_timed, print_table, run_in_process, write_result  # noqa: E402
 
 TRANSFORMS = {"xform": ["cudagraphs"], "xform-float8": ["quantize:float8-weight-only", "cudagraphs"],
+              "xform-float8-dynamic": ["quantize:float8-dynamic", "cudagraphs"],
               "xform-nvfp4": ["quantize:nvfp4-weight-only", "cudagraphs"], "xform-flex": ["flex-attention", "cudagraphs"]}
 CONFIGS = ("eager", "inductor", "reduce-overhead", "torchao-float8-ro", *TRANSFORMS)
 PROMPT, NEW_TOKENS = 64, 128
@@ -62,7 +61,7 @@ def llama(size: str, device: str) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def _register_xform() -> None:
+def register_xform() -> None:
     """`backend="xform"` where xform is on the path but not installed (its entry point unread)."""
     import xform.backend
 
@@ -74,7 +73,7 @@ def compile_config(config: str) -> Any:
     from transformers import CompileConfig
 
     if config in TRANSFORMS:
-        _register_xform()
+        register_xform()
         return CompileConfig(backend="xform", mode=None, options={"transforms": TRANSFORMS[config]})
     return CompileConfig(backend="inductor", mode="default" if config == "inductor" else "reduce-overhead")
 
@@ -105,22 +104,8 @@ def generate_run(config: str, batch: int, repeats: int, size: str = "bench") -> 
         kwargs["compile_config"] = compile_config("reduce-overhead" if config == "torchao-float8-ro" else config)
         kwargs["compile_config"]._compile_all_devices = device == "cpu"  # generate() compiles on CUDA only otherwise
     ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), device=device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    start = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, **kwargs)  # compiles
-        sync()
-        first = time.perf_counter() - start
-        model.generate(ids, **kwargs)  # records, where graphs are recorded on a later call
-        sync()
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = model.generate(ids, **kwargs)
-            sync()
-            times.append(time.perf_counter() - start)
+        first, times, out = first_then_timed(lambda: model.generate(ids, **kwargs), 1, repeats)
     assert out.shape == (batch, PROMPT + NEW_TOKENS), out.shape
     seconds = statistics.median(times)
     row = {"config": config, "batch": batch, "s_per_generate": round(seconds, 4),
@@ -128,16 +113,6 @@ def generate_run(config: str, batch: int, repeats: int, size: str = "bench") -> 
            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3) if device == "cuda" else None,
            "runs_s": [round(t, 4) for t in times]}
     return {**row, "xform": xform_summary(model)} if config in TRANSFORMS else row
-
-
-def run_spec(spec: str, repeats: int, size: str) -> dict[str, Any]:
-    """One configuration in a process of its own: its JSON row, or the end of its stderr."""
-    done = subprocess.run([sys.executable, __file__, "--one", spec, "--repeats", str(repeats), "--size", size],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), None)
-    row = json.loads(line) if line and done.returncode == 0 else {"spec": spec, "error": done.stderr[-3000:]}
-    print(json.dumps(row)[:600], flush=True)
-    return row
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,15 +128,22 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--one", help="config:batch, run in this process, print its JSON")
-    parser.add_argument("--only", help="configurations to run, comma-separated (default all)")
-    parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls (default 3)")
+def arguments(doc: str, one: str, only: str, repeats: int, timed: str) -> argparse.ArgumentParser:
+    """The command line bench/hf.py and bench/hf_train.py share: --one (a configuration in this
+    process), --only, --repeats, --out and --size."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--one", help=f"{one}, run in this process, print its JSON")
+    parser.add_argument("--only", help=f"{only} to run, comma-separated (default all)")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {timed} (default {repeats})")
     parser.add_argument("--out", type=Path, help="directory for the JSON result (default bench/results)")
     parser.add_argument("--size", choices=SIZES, default="bench",
                         help="the model: bench (default), or tiny, a check that each configuration runs (CPU too)")
+    return parser
+
+
+def main() -> None:
+    parser = arguments(__doc__, "config:batch", "configurations", 3, "generate() calls")
+    parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
     args = parser.parse_args()
     if args.one:
         config, batch = args.one.rsplit(":", 1)
@@ -176,7 +158,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batch in (int(b) for b in args.batches.split(",")):
         for config in configs:
-            rows.append(run_spec(f"{config}:{batch}", args.repeats, args.size))
+            rows.append(run_in_process(__file__, f"{config}:{batch}", "--repeats", str(args.repeats),
+                                       "--size", args.size))
             write_result("hf_generate", rows, args.out, summary=summarize([r for r in rows if "batch" in r]))
     print_table(summarize([r for r in rows if "batch" in r]), ["batch", "config", "s", "tokens/s", "/ reduce-overhead",
                                                                "peak GiB", "first s"])

@@ -22,9 +22,10 @@ from typing import Any, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import inductor_option, print_table, release_compiled, write_result  # noqa: E402
+from common import inductor_option, print_table, release_compiled, say, write_result  # noqa: E402
 
 GEMM_MARKS = ("nvjet", "gemm", "cutlass", "sm90_xmma")
 
@@ -96,15 +97,15 @@ def main() -> None:
 
     quantize.TUNED.update(inductor_option(o) for o in args.inductor_option)
     rows = []
-    for config in args.configs.split(","):
+    for config in tqdm(args.configs.split(","), desc="kernel split", unit="configuration", disable=None):
         variant, _, recipe = config.partition(":")
         training = recipe == "" or quantize.RECIPES[recipe].training
         model, run = quantize.prepare(args.model, variant, recipe or None, training)
         rows.append({"model": args.model, "variant": variant, "recipe": recipe or "bf16",
                      **split(run, args.steps, args.top)})
         for entry in rows[-1].get("top", []):
-            print(f"  {entry['ms']:8.3f} ms  {entry['calls']:5g} calls  {entry['kernel'][:150]}")
-        print({k: v for k, v in rows[-1].items() if k != "top"}, flush=True)
+            say(f"  {entry['ms']:8.3f} ms  {entry['calls']:5g} calls  {entry['kernel'][:150]}")
+        say(str({k: v for k, v in rows[-1].items() if k != "top"}))
         del model, run
         release_compiled()
     print_table(rows, [column for column in rows[0] if column != "top"])

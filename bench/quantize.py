@@ -27,10 +27,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Skipped, cuda_ms, inductor_option, print_table, release_compiled, step_peak_gib,  # noqa: E402
-                    thunder_compile, write_result)
+                    say, thunder_compile, write_result)
 from models import DecoderLayer, LlamaConfig  # noqa: E402
 
 import xform  # noqa: E402
@@ -129,11 +130,11 @@ def prepare(kind: str, variant: str, recipe: str | None, training: bool) -> tupl
 def measure(kind: str, configs: list[tuple[str, str | None]], training: bool, rounds: int) -> list[dict]:
     """Time the configurations in interleaved rounds (so drift hits all alike), then their peak memory."""
     prepared = {}
-    for variant, recipe in configs:
+    for variant, recipe in tqdm(configs, desc=f"compile {kind}", unit="configuration", disable=None):
         try:
             prepared[(variant, recipe)] = prepare(kind, variant, recipe, training)
         except Exception as error:  # a failing configuration is a finding, a skipped one a fact: no crash
-            print(f"{variant} {recipe}: {type(error).__name__}: {error}", flush=True)
+            say(f"{variant} {recipe}: {type(error).__name__}: {error}")
             prepared[(variant, recipe)] = error
     times: dict = {key: [] for key, value in prepared.items() if not isinstance(value, Exception)}
     for _ in range(rounds):

@@ -68,6 +68,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from tabulate import tabulate
+from tqdm import tqdm
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks-history.md"
 BEGIN, END = "<!-- run_all: begin -->", "<!-- run_all: end -->"
@@ -197,7 +200,8 @@ def run_benchmark(bench: Benchmark, out: Path, quick: bool, timeout: float | Non
         record.update(status="failed" if failures else "ran", reason="; ".join(failures) or None,
                       seconds=round(time.perf_counter() - start, 1), log=str(log.relative_to(out)))
     record["finished"] = utc_stamp(time.time())
-    print(f"{bench.name}: {record['status']}" + (f" ({record['reason']})" if record.get("reason") else ""), flush=True)
+    tqdm.write(f"{bench.name}: {record['status']}" + (f" ({record['reason']})" if record.get("reason") else ""))
+    sys.stdout.flush()  # a run cut short keeps its log
     (out / "run_all").mkdir(parents=True, exist_ok=True)
     (out / "run_all" / f"{bench.name}.json").write_text(json.dumps(record, indent=2))
     return record
@@ -227,9 +231,8 @@ def cell(value: Any) -> str:
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """Every column any row has, in the order they first appear."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
+    return tabulate([[cell(row.get(c)) for c in columns] for row in rows], headers=[cell(c) for c in columns],
+                    tablefmt="github", disable_numparse=True)
 
 
 def points(rows: Sequence[dict[str, Any]], chart: Chart) -> list[tuple[str, str, float]]:
@@ -402,7 +405,7 @@ def main(argv: Sequence[str] | None = None, benchmarks: Sequence[Benchmark] = BE
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.render_only:
         gpus = cuda_devices()
-        for bench in chosen:
+        for bench in tqdm(chosen, desc="benchmarks", unit="benchmark", disable=None):
             run_benchmark(bench, args.out, args.quick, args.timeout, gpus)
     render(benchmarks, args.out, args.docs, args.charts or args.docs.parent / "charts", chosen)
 

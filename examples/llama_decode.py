@@ -4,7 +4,7 @@
     python examples/llama_decode.py --recipe nvfp4-weight-only --dim 1024 --layers 8 --new 256
     python -m xform explain examples/llama_decode.py:make_model
 
-The model is the benchmarks' decode llama (bench/models.py: `DecodeLlama`, one token a step, its
+The model is examples/llama.py's `DecodeLlama` (the benchmarks' decode llama too: one token a step, its
 KV cache held in buffers written in place, attention through SDPA over the whole cache with a
 mask of the positions written so far), compiled with `quantize:float8-weight-only` (or
 `--recipe nvfp4-weight-only`), `flex-attention` and `cudagraphs`. Every step has the same shapes
@@ -21,19 +21,14 @@ The weights are random, so the text is not meant to be read: the report is.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.models import DecodeLlama, LlamaConfig  # noqa: E402
-from examples.progress import Progress  # noqa: E402
-
-import xform  # noqa: E402
+import xform
+from llama import DecodeLlama, LlamaConfig  # examples/llama.py, beside this script
 
 RECIPES = ("float8-weight-only", "nvfp4-weight-only")
 
@@ -83,7 +78,8 @@ def decode(args: argparse.Namespace) -> Decoded:
     total = args.prompt + args.new
     tokens = torch.zeros(args.batch, total, dtype=torch.long, device=device)  # one buffer: steps see one stride
     tokens[:, :args.prompt] = torch.randint(0, args.vocab, (args.batch, args.prompt))
-    progress = Progress(total - 1, "decode")
+    bar = tqdm(total=total - 1, desc="decode", unit="step", disable=None)
+    bar.set_postfix_str("the first step compiles")
     first_s = 0.0
     with torch.inference_mode():
         start = time.perf_counter()
@@ -91,15 +87,16 @@ def decode(args: argparse.Namespace) -> Decoded:
             logits = step(tokens[:, pos:pos + 1], torch.tensor([pos], device=device))
             if pos == 0:
                 first_s = time.perf_counter() - start
+                bar.set_postfix_str(f"compiled in {first_s:.1f} s")
             if pos + 1 == args.prompt:  # the prompt is in the cache: time the new tokens from here
                 start = time.perf_counter()
             if pos + 1 >= args.prompt:
                 tokens[:, pos + 1] = logits[:, -1].argmax(-1)
-            progress.update(pos + 1)
+            bar.update()
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-    progress.close()
+    bar.close()
     new_timed = args.new - (1 if args.prompt == 1 else 0)  # the first step compiles: not timed
     return Decoded(xform.report(step), tokens, device, first_s, args.batch * new_timed / max(elapsed, 1e-9))
 

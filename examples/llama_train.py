@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 2 examples/llama_train.py     # FSDP over 2 processes
     python -m xform explain examples/llama_train.py:make_model
 
-The model is the benchmarks' llama (bench/models.py: RMSNorm, rotary embeddings, SwiGLU,
-grouped-query attention through SDPA), compiled with `quantize:float8-rowwise` (or
+The model is examples/llama.py's `Llama` (the benchmarks' llama too: RMSNorm, rotary embeddings,
+SwiGLU, grouped-query attention through SDPA), compiled with `quantize:float8-rowwise` (or
 `--recipe float8-tensorwise`), `flex-attention`, `distribute:fsdp` and `cudagraphs`. What each does
 here is in the report printed at the end; on a CPU, in one process:
 - distribute says there is nothing to distribute (no process group); under torchrun it shards
@@ -31,22 +31,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.models import Llama, LlamaConfig  # noqa: E402
-from examples.progress import Progress  # noqa: E402
-
-import xform  # noqa: E402
+import xform
+from llama import Llama, LlamaConfig  # examples/llama.py, beside this script
 
 RECIPES = ("float8-rowwise", "float8-tensorwise")
 
@@ -124,7 +119,8 @@ def train(args: argparse.Namespace) -> Run:
                              handoff=handoff)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, first_s = [], 0.0
-    progress = Progress(args.steps, "train")
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=None if rank == 0 else True)
+    bar.set_postfix_str("the first step compiles")
     start = time.perf_counter()
     for step, (tokens, targets) in enumerate(batches(args, seed=1 + rank, device=device)):
         loss = F.cross_entropy(compiled(tokens).flatten(0, 1).float(), targets.flatten())
@@ -134,8 +130,9 @@ def train(args: argparse.Namespace) -> Run:
         losses.append(loss.item())
         if step == 0:
             first_s, start = time.perf_counter() - start, time.perf_counter()
-        progress.update(step + 1, f"loss {losses[-1]:.3f}")
-    progress.close()
+        bar.set_postfix_str(f"loss {losses[-1]:.3f}")
+        bar.update()
+    bar.close()
     tokens_per_s = (args.steps - 1) * args.batch * args.seq / max(time.perf_counter() - start, 1e-9)
     return Run(xform.report(compiled), losses, device, handoff, first_s, tokens_per_s)
 

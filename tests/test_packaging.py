@@ -33,7 +33,7 @@ def test_pyproject_declares_the_entry_point_python_and_dependencies():
     assert project["entry-points"]["torch_dynamo_backends"] == {"xform": "xform.backend:xform_backend"}
     assert project["requires-python"] == ">=3.10"
     names = [d.split(">")[0].split("=")[0].split("<")[0] for d in project["dependencies"]]
-    assert names == ["torch", "torchao", "networkx", "numpy"]
+    assert names == ["torch", "torchao", "networkx", "numpy", "tabulate", "tqdm"]
     assert "torch>=2.11,<2.15" in project["dependencies"]
     assert set(project["optional-dependencies"]) == {"dev", "thunder", "bench"}
     assert any(d.startswith("lightning-thunder") for d in project["optional-dependencies"]["thunder"])

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import xform
+from xform.report import format_bytes
 from models import GraphBreakMLP, TiedLM, mlp
 
 
@@ -40,6 +41,13 @@ def test_report_str_is_a_table():
     assert "graph 0/0 (Sequential):" in text and "handoff eager" in text
     assert "cast       " in text and "layer" in text and "float32 -> bfloat16" in text
     assert "guards rewritten: 4\n    L['fn'].0.weight: float32[32, 16] Parameter -> bfloat16[32, 16]" in text
+    assert all(line == line.rstrip() for line in text.splitlines())  # the last column is not padded
+
+
+@pytest.mark.parametrize("count, said", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (2**20 - 1, "1.0 MiB"),
+                                         (3 * 2**19, "1.5 MiB"), (3 * 2**30, "3.0 GiB")])
+def test_sizes_are_said_in_one_unit_family(count, said):
+    assert format_bytes(count) == said
 
 
 

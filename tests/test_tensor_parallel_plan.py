@@ -112,7 +112,7 @@ def test_llama_block_with_grouped_query_attention_and_rotary_embeddings():
 
 
 class FusedKeyValue(nn.Module):
-    """k and v from one Linear, viewed as (b, s, 2, kv_heads, head_dim) and unpacked (bench/models.py's way)."""
+    """k and v from one Linear, viewed as (b, s, 2, kv_heads, head_dim) and unpacked (examples/llama.py's way)."""
 
     def __init__(self, dim: int = 32, heads: int = 4) -> None:
         super().__init__()

@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from tabulate import tabulate
 from torch import nn
 
 from xform._torch.dynamo import original_callable, reset_since_last_asked
@@ -223,8 +224,17 @@ def _guard_lines(title: str, changes: list[GuardChange] | list[ModuleSwap]) -> l
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    """`rows` (the first is the header) in columns two spaces apart, indented under their graph's line."""
+    text = tabulate(rows, tablefmt="plain", disable_numparse=True)  # the header as a row: no rule below it
+    return ["  " + line.rstrip() for line in text.splitlines()]
+
+
+def format_bytes(count: float) -> str:
+    """A size in the one unit family the report uses: B, KiB, MiB or GiB (powers of 1024)."""
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if count >= 1024**power * 0.99995:  # from what would read 1024.0 of the unit below
+            return f"{count / 1024**power:.1f} {unit}"
+    return f"{count:.0f} B"
 
 
 class _Registry:

@@ -29,11 +29,11 @@ from torch import nn
 from xform._torch.dispatch import DisableTorchFunctionSubclass, make_subclass
 from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import example_value, insert_call
-from xform.transforms.linear_layers import (LayerFilter, LinearLayer, dtype_name, format_bytes, layer_selector,
+from xform.transforms.linear_layers import (LayerFilter, LinearLayer, dtype_name, layer_selector,
                                             linear_layers, other_reader_refusal, own_forward_refusal,
                                             parameter_linear_calls, unchanged_layers)
 from xform.registry import register_transform
-from xform.report import TransformRecord
+from xform.report import TransformRecord, format_bytes
 from xform.transform import Transform, option_error
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

@@ -277,11 +277,5 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().nbytes() if tensor.numel() else 0
 
 
-def format_bytes(count: float) -> str:
-    if count < 1024:
-        return f"{count:.0f} B"
-    return f"{count / 1024:.1f} KiB" if count < 2**20 else f"{count / 2**20:.1f} MiB"
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -41,7 +41,7 @@ from torch import fx, nn
 from xform.captured import CapturedGraph, GraphParameter
 from xform.fx_rewrite import example_value
 from xform.registry import register_transform
-from xform.report import TransformRecord
+from xform.report import TransformRecord, format_bytes
 from xform.transforms.distribute.sharding import ShardedParameter, ShardSpec, cut_parameter, gather_cut
 from xform.transforms.distribute.tp_plan import plan_tensor_parallel
 from xform.transforms.distribute.tp_rewrite import apply_plan, linear_refusal, reduce_gradient
@@ -158,7 +158,7 @@ def _fully_shard(graph: CapturedGraph, group: Any, record: TransformRecord, *, b
         new = cut_parameter(graph, param, spec, by=by)
         _route_through(graph, param, gather_cut, dataclasses.astuple(spec), value=reader_value)
         record.changed("parameter", param.fqn, f"{tuple(new.shape)} shard of {spec.size} rows, "
-                                               f"{before_bytes} -> {new.nbytes} bytes")
+                                               f"{format_bytes(before_bytes)} -> {format_bytes(new.nbytes)}")
 
 
 def _groups_of(mesh: Any, strategy: str, transform: str) -> tuple[Any, Any] | None:

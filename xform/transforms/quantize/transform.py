@@ -31,9 +31,9 @@ from xform._torch.modules import add_load_hook
 from xform.captured import CapturedGraph
 from xform.fx_rewrite import example_value
 from xform.registry import register_transform
-from xform.report import TransformRecord
+from xform.report import TransformRecord, format_bytes
 from xform.transform import Transform, option_error
-from xform.transforms.linear_layers import (LayerFilter, LinearLayer, dtype_name, format_bytes, layer_selector,
+from xform.transforms.linear_layers import (LayerFilter, LinearLayer, dtype_name, layer_selector,
                                             linear_layers, other_reader_refusal, own_forward_refusal,
                                             parameter_linear_calls, tensor_bytes, unchanged_layers)
 from xform.transforms.quantize import recipes
