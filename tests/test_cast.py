@@ -217,3 +217,31 @@ def test_an_integer_input_raises_as_the_model_does_instead_of_returning_truncate
         model(tokens)
     with pytest.raises(RuntimeError, match=r"(must|expected m1 and m2 to) have the same dtype"):
         xform.compile(model, spec, handoff="eager")(tokens)
+
+
+RECAST = ("xform: transform 'cast': 0 holds {held} values that xform cast earlier, and this cast is to {to}: another "
+          "compile of this model casts it otherwise, or the model was converted after the cast (model.half(), "
+          "model.to(dtype)). Casting again would round its values twice, and two compiled views casting one model "
+          "differently would recompile on every call. Compile the model with one cast, deepcopy it for another "
+          "(copy.deepcopy(model) before compiling), or convert it before compiling")
+
+
+def test_two_compiles_casting_one_model_differently_is_an_error_not_a_recompile_every_call():
+    model, x = mlp(), torch.randn(4, 16)
+    as_bf16 = torch.compile(model, backend=xform.Backend(["cast:bf16"]))
+    as_fp16 = torch.compile(model, backend=xform.Backend(["cast:fp16"]))
+    as_bf16(x)
+    with pytest.raises(ValueError) as raised:
+        as_fp16(x)
+    assert str(raised.value).startswith(RECAST.format(held="bfloat16", to="float16"))
+    assert model[0].weight.dtype == torch.bfloat16  # left as the first cast made it
+
+
+def test_a_model_converted_after_the_cast_is_an_error_not_a_second_rounding():
+    model, x = mlp(), torch.randn(4, 16)
+    compiled = torch.compile(model, backend=xform.Backend(["cast:bf16"]))
+    compiled(x)
+    model.half()
+    with pytest.raises(ValueError) as raised:
+        compiled(x.half())
+    assert str(raised.value).startswith(RECAST.format(held="float16", to="bfloat16"))

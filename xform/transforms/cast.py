@@ -128,6 +128,16 @@ class Cast(Transform):
         if all(isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype == self.dtype for p in layer.params):
             record.note(f"{layer.path} was cast by an earlier compile of this model")
             return
+        recast = next((p.tensor for p in layer.params
+                       if isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype != self.dtype), None)
+        if recast is not None:
+            raise ValueError(
+                f"xform: transform 'cast': {layer.path} holds {dtype_name(recast.dtype)} values that xform cast "
+                f"earlier, and this cast is to {dtype_name(self.dtype)}: another compile of this model casts it "
+                f"otherwise, or the model was converted after the cast (model.half(), model.to(dtype)). Casting again "
+                f"would round its values twice, and two compiled views casting one model differently would recompile "
+                f"on every call. Compile the model with one cast, deepcopy it for another "
+                f"(copy.deepcopy(model) before compiling), or convert it before compiling")
         saved = 0
         for param in layer.params:
             before = param.tensor
