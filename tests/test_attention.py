@@ -443,25 +443,51 @@ def hand_finite_strictly_causal(q, k, v, extra):
     return scores.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("pattern, why", [
-    (hand_finite_padding, "it reads data (node 'l_args_3_keep_' (test_attention.py:"),
-    (hand_finite_strictly_causal, "and its row 0 is masked everywhere"),
-], ids=["padding", "empty-row"])
-def test_a_finite_fill_that_can_mask_a_whole_row_is_left_with_the_reason(pattern, why):
-    q, k, v, extra = inputs(requires_grad=True)
+def finite_padding_inputs(requires_grad: bool) -> tuple:
+    q, k, v, extra = inputs(requires_grad=requires_grad)
     extra["keep"] = torch.ones(B, S, dtype=torch.bool)
     extra["keep"][1, :5] = False  # left padding: rows 0-4 of sequence 1 are masked everywhere
-    model = AsModule(pattern)
+    return q, k, v, extra
+
+
+def test_a_finite_fill_read_from_data_is_added_as_written_so_a_row_it_masks_everywhere_stays_even():
+    """Hugging Face's eager attention at inference: the finite mask is added to the scores as the model
+    does, so a left-padded row, masked everywhere, attends evenly to every position as written."""
+    q, k, v, extra = finite_padding_inputs(requires_grad=False)
+    model = AsModule(hand_finite_padding)
     out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
-    expected = pattern(q, k, v, extra)
-    torch.testing.assert_close(out, expected)  # as written: the masked rows attend evenly, as in the model
+    expected = hand_finite_padding(q, k, v, extra)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out[1, :, :5], v[1].mean(-2, keepdim=True).expand(H, 5, D))  # rows 0-4: even
+    (change,) = xform.report(model).changes("flex-attention")
+    assert change.detail.startswith("-> flex_attention (additive bias; cpu;"), change.detail
+    assert xform.report(model).skips("flex-attention") == []
+
+
+def test_a_finite_fill_read_from_data_is_left_in_training_with_the_reason():
+    q, k, v, extra = finite_padding_inputs(requires_grad=True)
+    model = AsModule(hand_finite_padding)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    torch.testing.assert_close(out, hand_finite_padding(q, k, v, extra))
     (skip,) = xform.report(model).skips("flex-attention")
-    fill = "-3.403e+38" if pattern is hand_finite_padding else "-1e+09"
-    assert skip.reason.startswith(f"its mask fills masked scores with {fill}, not -inf, so on a row masked at every "
-                                  f"position the model as written attends evenly to all of them, where "
-                                  f"flex_attention attends to none"), skip.reason
-    assert why in skip.reason and skip.reason.endswith("Fill with float('-inf') (for a Hugging Face model that offers "
-                                                       "it: attn_implementation='sdpa', which xform rewrites exactly)")
+    assert skip.reason.startswith("it adds to the scores a tensor it reads per query or key (node 'l_args_3_keep_' "
+                                  "(test_attention.py:"), skip.reason
+    assert skip.reason.endswith("so it is left as written in training (rewritten at inference). Pass a boolean mask "
+                                "and mask with masked_fill(~mask, float('-inf')) (for a Hugging Face model: "
+                                "attn_implementation='sdpa', which xform rewrites)"), skip.reason
+
+
+def test_a_finite_fill_that_masks_a_whole_row_by_position_is_left_with_the_reason():
+    q, k, v, extra = inputs(requires_grad=True)
+    model = AsModule(hand_finite_strictly_causal)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    torch.testing.assert_close(out, hand_finite_strictly_causal(q, k, v, extra))  # row 0 attends evenly
+    (skip,) = xform.report(model).skips("flex-attention")
+    assert skip.reason == ("its mask fills masked scores with -1e+09, not -inf, so on a row masked at every position "
+                           "the model as written attends evenly to all of them, where flex_attention attends to none, "
+                           "and its row 0 is masked everywhere; left as written. Fill with float('-inf') (for a "
+                           "Hugging Face model that offers it: attn_implementation='sdpa', which xform rewrites "
+                           "exactly)")
 
 
 def sdpa_finite_key_padding(q, k, v, extra):
@@ -470,19 +496,20 @@ def sdpa_finite_key_padding(q, k, v, extra):
         q, k, v, attn_mask=torch.where(extra["keep"][:, None, None, :], 0.0, torch.finfo(q.dtype).min))
 
 
-def test_a_finite_key_padding_mask_given_to_sdpa_is_left_with_what_masks_a_row_and_the_fix_for_sdpa():
-    q, k, v, extra = inputs(requires_grad=False)
-    extra["keep"] = torch.ones(B, S, dtype=torch.bool)
-    extra["keep"][1, :5] = False
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
+def test_a_finite_key_padding_mask_given_to_sdpa_is_added_as_sdpa_adds_it(requires_grad):
+    """SDPA adds a float mask to the scores; so does flex_attention's score_mod, in training too (both
+    recompute the probabilities from the log-sum-exp in their backward)."""
+    q, k, v, extra = finite_padding_inputs(requires_grad)
     model = AsModule(sdpa_finite_key_padding)
     out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
-    torch.testing.assert_close(out, sdpa_finite_key_padding(q, k, v, extra))
-    (skip,) = xform.report(model).skips("flex-attention")
-    assert "; it reads data at each key (node 'l_args_3_keep_' (test_attention.py:" in skip.reason, skip.reason
-    assert ("the same for every query, so a row is masked everywhere only where a whole sequence is (all padding), "
-            "which cannot be ruled out before the call; left as written to keep your model's results. Fill the mask "
-            "with float('-inf'), or pass SDPA a boolean mask (True: attend)") in skip.reason
-
+    expected = sdpa_finite_key_padding(q, k, v, extra)
+    torch.testing.assert_close(out, expected)
+    if requires_grad:
+        for got, want in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(expected.sum(), (q, k, v))):
+            torch.testing.assert_close(got, want)
+    (change,) = xform.report(model).changes("flex-attention")
+    assert change.detail.startswith("-> flex_attention (additive bias; cpu;"), change.detail
 
 
 def _padded_float_mask(fill: float) -> torch.Tensor:

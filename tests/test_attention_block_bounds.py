@@ -128,7 +128,8 @@ def _exact_blocks(build: BlockMaskBuild, buffers) -> tuple[torch.Tensor, torch.T
     return count == BLOCK * BLOCK, count > 0
 
 
-@pytest.mark.parametrize("seq", [77, 256, 300, 520])
+@pytest.mark.parametrize("seq", [pytest.param(77, marks=pytest.mark.slow), pytest.param(256, marks=pytest.mark.slow),
+                                 300, pytest.param(520, marks=pytest.mark.slow)])  # 300: a partial last block
 @pytest.mark.parametrize("kind", ["packed", "packed-long", "unsorted", "unsorted-runs", "one", "distinct"])
 def test_block_classes_are_never_wrong_and_exact_for_packed_documents(monkeypatch, kind, seq):
     batch = 3

@@ -1,6 +1,7 @@
 """Randomized corpus: seeded small models (tests/corpus.py) compiled with every transform that runs
 on CPU and every pair of them. XFORM_CORPUS_MODELS=5000 runs a longer sweep and
-XFORM_CORPUS_FIRST=N starts it at seed N (CI: 30 models x 11 sets = 330 cases).
+XFORM_CORPUS_FIRST=N starts it at seed N (CI: 30 models x 11 sets = 330 cases; the first FAST
+models in the fast lane, the rest marked slow).
 
 Two checks per case. (1) The compiled model against the same model run eagerly *after* the
 transforms changed it (cast and quantize keep the eager meaning of what they did): outputs and
@@ -19,10 +20,11 @@ import torch
 import xform
 import xform.transforms.cudagraphs.transform as cudagraphs
 from corpus import random_model
-from test_cudagraphs import SimulatedRecorder
+from simulated_recorder import SimulatedRecorder
 
 FIRST = int(os.environ.get("XFORM_CORPUS_FIRST", "0"))
 MODELS = int(os.environ.get("XFORM_CORPUS_MODELS", "30"))
+FAST = 5
 
 # transform set -> (specs, minimum output SQNR (dB) against the fp32 model (None: must match it to
 # float32 rounding), tolerance of compiled against eager). Compiled and eager run the same ops, so
@@ -70,7 +72,8 @@ def mismatches(expected, actual, tolerance: float) -> list[str]:
             if not torch.allclose(a, e, atol=tolerance, rtol=10 * tolerance)]
 
 
-@pytest.mark.parametrize("seed", range(FIRST, FIRST + MODELS))
+@pytest.mark.parametrize("seed", [pytest.param(seed, marks=() if seed < FIRST + FAST else pytest.mark.slow)
+                                  for seed in range(FIRST, FIRST + MODELS)])
 def test_random_model_with_every_transform_set(seed, monkeypatch):
     monkeypatch.setattr(cudagraphs, "available_recorder", SimulatedRecorder)
     model, x = random_model(seed)

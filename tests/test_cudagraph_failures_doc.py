@@ -14,7 +14,7 @@ import xform.transforms.cudagraphs.transform as cudagraphs
 from xform.transforms import CudaGraphs
 
 from models import AsModule
-from test_cudagraphs import SimulatedRecorder
+from simulated_recorder import SimulatedRecorder
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "cudagraph-failures.md"
 SECTIONS = re.findall(r"^## (.+?)\n\n```python\n(.+?)```\n\nReason: `([^`]+)`", PAGE.read_text(), re.M | re.S)

@@ -1,12 +1,8 @@
 """The cudagraphs transform on the CPU: capture-safety analysis, region partitioning, explanations,
-and the replay rules (signatures, copied-out outputs, failed recordings) with a simulated recorder.
-
-The simulated recorder gives a recorded graph's semantics without a GPU: a replay runs what was
-recorded on the same input and output buffers, reading in-place inputs where they are now. Its
-buffers form a simulated pool that every replay first fills with garbage, as other graphs reusing
-the real pool would: anything handed out of it, or read from it before being written, shows. With
-it the CPU is the recorded device, so every path of the runtime runs here; the CUDA-only part (the
-one pool, real capture failures, memory) is in test_cudagraphs_gpu.py.
+and the replay rules (signatures, copied-out outputs, failed recordings) with the simulated recorder
+(simulated_recorder.py, the `recorder` fixture: the CPU as the recorded device, its pool scribbled
+over before every replay). The CUDA-only part (the one pool, real capture failures, memory) is in
+test_cudagraphs_gpu.py.
 """
 
 from __future__ import annotations
@@ -26,92 +22,13 @@ import xform
 import xform.transforms.cudagraphs.transform as cudagraphs
 from xform._torch import memory, versions
 from xform.transforms.cudagraphs.capture_safety import find_breaks
-from xform.transforms.cudagraphs.pool_outputs import handouts, merge_ranges
-from xform.transforms.cudagraphs.recorder import Recorded, unowned_view
+from xform.transforms.cudagraphs.pool_outputs import handouts
+from xform.transforms.cudagraphs.recorder import unowned_view
 from xform.transforms.cudagraphs.regions import plan_regions
 from xform.transforms.cudagraphs.replay import GraphedFunction
 from xform.transforms import CudaGraphs
 
-
-def _scribble(t: torch.Tensor) -> None:
-    t.fill_(float("nan") if t.is_floating_point() else 7)
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class SimulatedRecorder:
-    device_type = "cpu"
-
-    def __init__(self, fail: Exception | None = None) -> None:
-        self.fail = fail
-        self.recorded = 0
-        self.pool: list[torch.Tensor] = []  # every recording's input and output buffers
-
-    def record(self, run, inputs, copied):
-        if self.fail is not None:
-            raise self.fail
-        self.recorded += 1
-        # a graph reads its in-place inputs at their addresses, and holds none of them
-        static = [unowned_view(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-        for i in copied:  # the values matter to the sim's eager run only (a capture runs nothing)
-            static[i] = torch.empty_like(inputs[i]).copy_(inputs[i])
-        refs = [StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None for t in inputs]
-        inputs.clear()  # taken over, as the real recorder does
-        # outputs that are views of in-place inputs (by identity: an input the run frees may leave
-        # its address to an output)
-        caller = {t.untyped_storage()._cdata for i, t in enumerate(static) if i not in copied
-                  and isinstance(t, torch.Tensor)}
-
-        def made(outputs):
-            return [o for o in outputs if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in caller]
-
-        # a capture runs nothing: what the eager run writes into the caller's tensors is put back
-        # (into those still alive after it: the run frees the inputs it consumes)
-        kept = [(t, t.clone(), refs[i]) for i, t in enumerate(static) if i not in copied and isinstance(t, torch.Tensor)]
-        outputs = run(list(static))
-        for t, before, alive in kept:
-            if not alive.expired():
-                t.copy_(before)
-        mine = made(outputs)
-        own_inputs = [static[i] for i in copied]
-        self.pool += own_inputs + mine
-        # as the allocator: the graph may write the whole pool but the blocks in use throughout,
-        # the owned outputs alive in it after the run (it believes an unowned one free, and an
-        # input the run consumed was freed during it)
-        live = [(start, end) for start, end, owned in handouts.alive() if owned]
-        writable = [t for t in self.pool if not any(start <= _address(t) < end for start, end in live)]
-        written = {_address(t) for t in own_inputs}
-
-        def replay():
-            # the graph reads its inputs before anything overwrites them
-            fresh = made(run(list(static)))
-            for t in writable:
-                if _address(t) not in written:
-                    _scribble(t)
-            for out, new in zip(mine, fresh):
-                out.copy_(new)
-
-        # the recording's outputs, owned by the sim (which scribbles over them) and handed out as
-        # views that die with the caller's last reference, as the allocator's blocks would
-        handed = [unowned_view(o) if any(o is m for m in mine) else o for o in outputs]
-        return Recorded(replay, own_inputs, handed,
-                        merge_ranges((_address(t), _address(t) + t.untyped_storage().nbytes()) for t in self.pool))
-
-    def warm_up(self, run, inputs):
-        return run(inputs)
-
-    def holds(self, t: torch.Tensor) -> bool:
-        """Whether `t` is memory of the simulated pool."""
-        return any(_address(t) == _address(p) for p in self.pool)
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    sim = SimulatedRecorder()
-    monkeypatch.setattr(cudagraphs, "available_recorder", lambda: sim)
-    return sim
+from simulated_recorder import SimulatedRecorder
 
 
 def mlp() -> nn.Module:
@@ -262,9 +179,10 @@ def test_a_later_replay_never_changes_an_earlier_output(recorder):
         outputs = [step(x) for x in inputs]  # every output still held when the next call runs
         for x, out in zip(inputs, outputs):
             torch.testing.assert_close(out, model(x))
-    # the warm-up's output is ordinary memory; each replay's is handed out in the pool, and moved
-    # out (copied once) by the next replay, which writes there: only the last is still in place
-    assert [recorder.holds(out) for out in outputs] == [False, False, False, False, True]
+    # the warm-up's output is in the pool, where the allocator keeps the recording out of its way;
+    # each replay's is handed out there, and moved out (copied once) by the next replay, which
+    # writes there: only the last is still in place
+    assert [recorder.holds(out) for out in outputs] == [True, False, False, False, True]
     stats = transform.functions[0].stats
     assert (stats.recordings, stats.replays, stats.uncaptured_calls) == (1, 4, 0)  # one recording serves all
     assert stats.moved_bytes == 3 * outputs[0].untyped_storage().nbytes()
@@ -299,7 +217,10 @@ def test_saved_tensors_and_gradients_survive_later_replays(recorder):
             model(x).square().mean().backward()
         for g, p in zip(got, model.parameters()):
             torch.testing.assert_close(g, p.grad)
-    assert not any(recorder.holds(p.grad) for p in model.parameters())
+    # the gradients are the warm-up's outputs, allocated in the pool and held since (owned: no
+    # recording placed anything there), and the replays' were added into them
+    assert all(any(start <= p.grad.data_ptr() < end and owned for start, end, owned in handouts.alive())
+               for p in model.parameters())
     kinds = sorted(f.stats.name.split()[0] for f in transform.functions)
     assert kinds == ["backward", "backward", "forward", "forward"]  # each layer's, one recording each
     assert all(f.stats.recordings == 1 and f.stats.replays == 5 for f in transform.functions)
@@ -726,6 +647,54 @@ def test_a_user_generator_and_an_op_tagged_unsafe_are_breaks():
     breaks = {b.node: b for b in find_breaks(gm, set(), device_type="cpu").values()}
     assert breaks["rand"].reason.startswith("it draws random numbers from a torch.Generator you passed")
     assert breaks["tagged_default"].reason == "its author tagged xform_test.tagged.default torch.Tag.cudagraph_unsafe"
+
+
+@torch.library.custom_op("xform_test::scaled_by_offsets", mutates_args=())
+def scaled_by_offsets(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x times the sum of `offsets`, whose backward reads `offsets` on the host, as transformers'
+    grouped_mm_fallback does: AOTAutograd cannot trace that backward with fake tensors."""
+    return x * offsets.sum()
+
+
+scaled_by_offsets.register_fake(lambda x, offsets: torch.empty_like(x))
+scaled_by_offsets.register_autograd(
+    lambda ctx, grad: (grad * sum(ctx.offsets.tolist()), None),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "offsets", inputs[1]))
+
+
+class HostOffsets(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("offsets", torch.tensor([1.0, 2.0]))
+
+    def forward(self, x, out=None):
+        if out is not None:
+            out.copy_(x.cos())  # a break: the graph splits into regions around it
+        return scaled_by_offsets(torch.relu(self.linear(x)), self.offsets).sin()
+
+
+# AOTAutograd's trace of the backward reports the failure it then raises, in anomaly mode
+@pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackwardFor:UserWarning")
+@pytest.mark.parametrize("split", [False, True], ids=["whole-graph", "split-graph"])
+def test_a_graph_aotautograd_cannot_trace_runs_without_cuda_graphs_and_says_why(recorder, monkeypatch, split):
+    """Found in the whole graph as it compiles, or in a region of a split one as it first runs: the
+    graph (region) runs without CUDA graphs, the report says why, and no transform is dropped, not
+    even with XFORM_STRICT=1 (Dynamo would have broken the graph there, and the cast with it)."""
+    monkeypatch.setenv("XFORM_STRICT", "1")
+    model, x = HostOffsets(), torch.randn(8, 16)
+    extra = [torch.zeros(8, 16)] if split else []
+    step = torch.compile(model, backend=xform.Backend(["cast:bf16", CudaGraphs(min_region_ops=1)], handoff="eager"))
+    for _ in range(3):
+        _assert_grads_match_eager(model, lambda x: step(x, *extra), x)
+    report = xform.report(model)
+    assert report.failures() == [] and [c.target for c in report.changes("cast") if c.kind == "layer"] == ["linear"]
+    (skip,) = [s for s in report.skips("cudagraphs") if "AOTAutograd" in s.reason]
+    assert skip.target.startswith("region ") and skip.target.endswith(" ops, graphed)") if split else skip.target == "graph"
+    assert skip.reason.startswith("AOTAutograd cannot trace it (DataDependentOutputException: "
+                                  "aten._local_scalar_dense.default): an op in it, or in its backward, reads a tensor's "
+                                  "values on the host")
+    assert skip.target not in [c.target for c in report.changes("cudagraphs")]
 
 
 # --- conflicts (bad options: test_options.py) ----------------------------------------------------------------------

@@ -298,7 +298,7 @@ def test_corpus_models_train_under_every_strategy_as_in_one_process(tmp_path, pa
 
 @pytest.mark.slow
 def test_corpus_models_under_every_strategy_with_cudagraphs_replay_as_in_one_process(tmp_path):
-    """cudagraphs on the simulated recorder (tests/test_cudagraphs.py): every run's third step is
+    """cudagraphs on the simulated recorder (tests/simulated_recorder.py): every run's third step is
     a replay, whose pool is scribbled over first; each case must have replayed."""
     result = corpus(tmp_path, "--strategies", "ddp,fsdp,tp", "--first", "0", "--models", "3", "--with", "cudagraphs")
     assert result["cases"] == 9 and result["problems"] == [], result["problems"]

@@ -1,7 +1,8 @@
 """The Hugging Face tests again with the newest transformers the declared range admits (the one
 `tests/transformers-newest.txt` names), installed apart under build/ and put first on the path of
 a pytest run of their own: users run the newest, CI's environment pins an older one. That run
-leaves out the tests marked slow (those compiling with Inductor), which the pinned one runs."""
+leaves out the tests marked slow (those compiling with Inductor, and the conformance suite but for
+its fast lane), which the pinned one runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENT = ROOT / "tests" / "transformers-newest.txt"
 TARGET = ROOT / "build" / "transformers-newest"
-SUITES = ["tests/test_hf_models.py", "tests/test_calling_forms.py"]
+SUITES = ["tests/test_hf_models.py", "tests/test_calling_forms.py", "tests/test_conformance.py"]
 
 
 def _wanted() -> str:

@@ -9,7 +9,7 @@ strategy must reproduce the one-process run: its outputs and input gradients at 
 the first, the outputs also check the parameters' gradients, through the updates they made).
 `--with flex-attention` (or `cast:bf16`, ...) pairs each strategy with that transform; the one-process
 run then has it too (compiled, as the other transforms left the model). `--with cudagraphs`
-records on tests/test_cudagraphs.py's simulated recorder (the CPU as the recorded device, its
+records on the simulated recorder (tests/simulated_recorder.py: the CPU as the recorded device, its
 pool scribbled over before every replay), so the third step of each run is a replay.
 """
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from corpus import random_model  # noqa: E402
-from test_cudagraphs import SimulatedRecorder  # noqa: E402
+from simulated_recorder import SimulatedRecorder  # noqa: E402
 from test_quantize import sqnr  # noqa: E402
 
 import xform  # noqa: E402

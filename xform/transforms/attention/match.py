@@ -128,6 +128,8 @@ def _add_mask_or_bias(site: AttentionSite, node: fx.Node, weight: float) -> None
         site.masks.append(Term(_program(node)))
         return
     split = _masking_fill(_through_casts_up(node))  # `bias.masked_fill(cond, -inf).to(q.dtype)` as people write it
+    if split is not None and split[3] != float("-inf") and not _program(split[1]).is_static:
+        split = None  # a finite fill from data: added as written (see Term.bias), so a row it masks everywhere stays even
     if split is not None:
         kept, cond, attend_when, fill = split
         site.masks.append(Term(_program(cond), negate=not attend_when, fill=fill))

@@ -86,12 +86,9 @@ def _empty_row_refusal(site: AttentionSite) -> str | None:
            f"model as written attends evenly to all of them, where flex_attention attends to none")
     if site.form == "SDPA":  # the model already calls SDPA: the mask it builds is what to change
         fix = "Fill the mask with float('-inf'), or pass SDPA a boolean mask (True: attend)"
-    elif site.softcap is None:
-        fix = ("Fill with float('-inf') (for a Hugging Face model that offers it: attn_implementation='sdpa', which "
-               "xform rewrites exactly)")
     else:
-        fix = ("Fill with float('-inf') (for a Hugging Face model: attn_implementation='flex_attention', Hugging "
-               "Face's own flex_attention, which keeps the soft-cap; its 'sdpa' drops the soft-cap)")
+        fix = "Fill with float('-inf') " + _keeping_the_soft_cap(site, (
+            "(for a Hugging Face model that offers it: attn_implementation='sdpa', which xform rewrites exactly)"))
     data = next((n for t in site.masks for n in t.buffer_nodes), None)
     if data is not None and not any("q" in t.positions_used for t in site.masks):
         return (f"{why}; it reads data at each key ({node_and_line(data)}), the same for every query, so a row is "
@@ -125,8 +122,17 @@ def _gradient_refusal(site: AttentionSite) -> str | None:
             f"float mask filled with finfo.min (as Hugging Face builds one); on a row such a mask masks everywhere "
             f"(left padding) the model as written has gradients flex_attention's backward cannot give, so it is "
             f"left as written in training (rewritten at inference). Pass a boolean mask and mask with "
-            f"masked_fill(~mask, float('-inf')) (for a Hugging Face model: attn_implementation='sdpa', which xform "
-            f"rewrites)")
+            f"masked_fill(~mask, float('-inf')) " + _keeping_the_soft_cap(site, (
+                "(for a Hugging Face model: attn_implementation='sdpa', which xform rewrites)")))
+
+
+def _keeping_the_soft_cap(site: AttentionSite, sdpa_fix: str) -> str:
+    """`sdpa_fix`, the attention a Hugging Face model writing `site` out should ask for instead, unless
+    its scores are soft-capped (Gemma 2): HF's sdpa drops the soft-cap, its flex_attention keeps it."""
+    if site.softcap is None:
+        return sdpa_fix
+    return ("(for a Hugging Face model: attn_implementation='flex_attention', Hugging Face's own flex_attention, "
+            "which keeps the soft-cap; its 'sdpa' drops the soft-cap)")
 
 
 def _shape_refusal(site: AttentionSite) -> str | None:

@@ -20,7 +20,7 @@ from torch import fx, nn
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from xform._torch.dispatch import FakeTensor, is_traceable_wrapper_subclass
-from xform._torch.dynamo import has_static_address
+from xform._torch.dynamo import UNTRACEABLE, has_static_address
 from xform.captured import CapturedGraph
 from xform.registry import register_transform
 from xform.report import TransformRecord
@@ -33,7 +33,6 @@ from xform.transforms.cudagraphs.replay import GraphedFunction
 NO_GPU = ("no CUDA device here (torch.cuda.is_available() is False): CUDA graphs need an NVIDIA GPU, so the "
           "graph runs as compiled, without them")
 
-
 OPTIONS = ("min_region_ops", "max_signatures", "warmup", "stale_outputs")
 STALE_OUTPUTS = ("copy", "error")
 REMOVED = {"max_graphs": "an output still alive where a later replay writes is moved out of its way, so one "
@@ -43,6 +42,14 @@ REMOVED = {"max_graphs": "an output still alive where a later replay writes is m
 def available_recorder() -> GraphRecorder | None:
     """The recorder for this process's GPU, or None without one."""
     return shared_recorder() if torch.cuda.is_available() else None
+
+
+def _untraceable_reason(error: BaseException) -> str:
+    """Why a graph or region AOTAutograd could not trace (an `UNTRACEABLE` error) is not recorded."""
+    return (f"AOTAutograd cannot trace it ({type(error).__name__}: {error}): an op in it, or in its backward, reads "
+            f"a tensor's values on the host or takes a shape from them (a Mixture-of-Experts' grouped matmul, say), "
+            f"where Dynamo would break the graph; it runs without CUDA graphs. Fix: call that op outside the compiled "
+            f"code (torch.compiler.disable on the function calling it)")
 
 
 Layout = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -72,27 +79,37 @@ def _module_state(modules: Sequence[nn.Module]) -> set[Layout]:
 
 class _LazyRegion(nn.Module):
     """A region of a split graph, compiled with the inputs of its first call (the previous region's
-    real outputs, so that strides Inductor chose upstream are the ones compiled for)."""
+    real outputs, so that strides Inductor chose upstream are the ones compiled for). One that
+    AOTAutograd cannot trace runs as written, uncaptured, and the report says why: found only now,
+    after Dynamo's compile, it can no longer be a graph break of Dynamo's."""
 
-    def __init__(self, gm: fx.GraphModule, compile: Callable[[list[Any]], Callable[..., Any]], name: str) -> None:
+    def __init__(self, gm: fx.GraphModule, compile: Callable[[list[Any]], Callable[..., Any]], name: str,
+                 record: TransformRecord) -> None:
         super().__init__()
         output = next(n for n in gm.graph.nodes if n.op == "output")
         self._single = not isinstance(output.args[0], (tuple, list))
         if self._single:  # AOTAutograd compiles graphs that return tuples
             output.args = ((output.args[0],),)
             gm.recompile()
-        self.gm, self._compile, self.region_name = gm, compile, name
+        self.gm, self._compile, self.region_name, self._record = gm, compile, name, record
         self._compiled: Callable[..., Any] | None = None
 
     def forward(self, *args: Any) -> Any:
         if self._compiled is None:
-            try:
-                self._compiled = self._compile(list(args))
-            except Exception as error:
-                raise RuntimeError(f"xform: transform 'cudagraphs': compiling {self.region_name} failed: "
-                                   f"{type(error).__name__}: {error}") from error
+            self._compiled = self._compiled_or_as_written(list(args))
         results = self._compiled(*args)
         return results[0] if self._single else results
+
+    def _compiled_or_as_written(self, args: list[Any]) -> Callable[..., Any]:
+        try:
+            return self._compile(args)
+        except UNTRACEABLE as error:
+            self._record.changes = [c for c in self._record.changes if c.target != self.region_name]
+            self._record.skipped(self.region_name, _untraceable_reason(error))
+            return self.gm.forward
+        except Exception as error:
+            raise RuntimeError(f"xform: transform 'cudagraphs': compiling {self.region_name} failed: "
+                               f"{type(error).__name__}: {error}") from error
 
 
 @register_transform
@@ -147,8 +164,13 @@ class CudaGraphs(Transform):
             return None
         wrap = self._wrapper(recorder, _module_state(graph.root_modules()), record)
         if len(plan.regions) == 1:
+            try:
+                compiled = compile(graph.gm, graph.example_inputs, wrap_inner=wrap)
+            except UNTRACEABLE as error:  # compiled by the handoff alone, as without this transform
+                record.skipped("graph", _untraceable_reason(error))
+                return None
             record.changed("region", "region 0", f"the whole graph, {plan.regions[0].op_count} ops")
-            return compile(graph.gm, graph.example_inputs, wrap_inner=wrap)
+            return compiled
         return self._split(graph, plan, compile, wrap, record)
 
     def _wrapper(self, recorder: GraphRecorder, module_state: set[Layout],
@@ -202,6 +224,6 @@ class CudaGraphs(Transform):
             def compile_region(args: list[Any], sub: fx.GraphModule = sub, wrap_inner: Any = wrap_inner) -> Any:
                 return compile(sub, args, wrap_inner=wrap_inner)
 
-            setattr(split, call.target, _LazyRegion(sub, compile_region, label))
+            setattr(split, call.target, _LazyRegion(sub, compile_region, label, record))
         split.recompile()
         return split.forward
