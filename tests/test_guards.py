@@ -263,3 +263,18 @@ def test_parameters_that_are_not_graph_inputs_are_reported():
     assert skip.target == "4 parameters"
     assert skip.reason.startswith("the graph reads them as attributes of the graph module, not as inputs")
     assert model[0].weight.dtype == torch.float32
+
+
+def test_the_guards_of_every_replaced_weight_are_rewritten_in_one_pass(monkeypatch):
+    """Rewriting the guards weight by weight rebuilt Dynamo's guard set once per weight (quadratic in
+    the weights: a 400-layer model spent most of its compile there); all go in one pass now."""
+    import xform._torch.dynamo as dynamo
+
+    passes = []
+    remove = dynamo._remove_guards_on
+    monkeypatch.setattr(dynamo, "_remove_guards_on", lambda guards, sources, **kw: (passes.append(len(sources)),
+                                                                                    remove(guards, sources, **kw)))
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)])
+    torch.compile(model, backend=xform.Backend(["cast:bf16"], handoff="eager"))(torch.randn(2, 8))
+    assert passes == [40]  # 20 weights and 20 biases
+    assert all(isinstance(m.weight, LowPrecisionWeight) for m in model)

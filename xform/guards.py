@@ -178,7 +178,7 @@ class GuardModel:
                     f"xform: transform '{change.changed_by}' declared that {change.source} is now "
                     f"{change.after.describe()}, but the model holds {actual} there"
                 )
-            frame.rewrite_tensor_guard(sources[change.source], tensor)
+        frame.rewrite_tensor_guards([(sources[c.source], live[c.source]) for c in self.changes])
 
     def to_dict(self) -> list[dict[str, Any]]:
         return [e.to_dict() for e in self]

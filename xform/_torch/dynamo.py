@@ -104,8 +104,9 @@ class DynamoFrame:
         """A local variable of the traced frame, or None."""
         return self.output_graph.local_scope.get(name)
 
-    def rewrite_tensor_guard(self, source: Any, tensor: torch.Tensor) -> None:
-        """Make the guards on `source` expect `tensor` (type, dtype, device, shape, stride, ...).
+    def rewrite_tensor_guards(self, expected: list[tuple[Any, torch.Tensor]]) -> None:
+        """Make the guards on each source expect its tensor (type, dtype, device, shape, stride, ...);
+        the old guards of all of them go in one pass over the guard set.
 
         Dynamo's TENSOR_MATCH guard captured a weak reference to the traced tensor and reads its
         size/stride from `input_source_to_sizes_strides`; both are replaced, so the guard checks
@@ -113,9 +114,12 @@ class DynamoFrame:
         DTensor) gets what Dynamo gives one it traces: its type, its flatten metadata and a guard
         on each inner tensor, since the compiled code is specialized on all of them.
         """
+        if not expected:
+            return
         guards = self.tracing_context.guards_context.dynamo_guards
-        _remove_guards_on(guards, source)
-        self._add_tensor_guards(guards, source, tensor)
+        _remove_guards_on(guards, [source for source, _ in expected])
+        for source, tensor in expected:
+            self._add_tensor_guards(guards, source, tensor)
 
     def _add_tensor_guards(self, guards: Any, source: Any, tensor: torch.Tensor) -> None:
         from torch._dynamo.guards import GuardBuilder
@@ -154,8 +158,8 @@ class DynamoFrame:
         from torch._dynamo.guards import GuardBuilder
 
         guards = self.tracing_context.guards_context.dynamo_guards
-        _remove_guards_on(guards, source, exact=True, kinds=("TYPE_MATCH", "ID_MATCH"))
-        _remove_guards_on(guards, source, through_type=True)
+        _remove_guards_on(guards, [source], exact=True, kinds=("TYPE_MATCH", "ID_MATCH"))
+        _remove_guards_on(guards, [source], through_type=True)
         guards.add(source.make_guard(GuardBuilder.TYPE_MATCH), collect_debug_stack=False)
 
 
@@ -180,29 +184,32 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return torch.distributed.is_available() and isinstance(tensor, torch.distributed.tensor.DTensor)
 
 
-def _derived_from(source: Any, target: Any) -> bool:
-    """Whether `source` is `target` or reads through it (`target.size()`, `target._base`, ...)."""
+def _derived_from(source: Any, targets: set[Any]) -> bool:
+    """Whether `source` is one of `targets` or reads through one (`target.size()`, `target._base`, ...)."""
     from torch._dynamo.source import ChainedSource
 
     while source is not None:
-        if source == target:
+        if source in targets:
             return True
         source = source.base if isinstance(source, ChainedSource) else None
     return False
 
 
-def _remove_guards_on(guards: Any, source: Any, *, exact: bool = False, kinds: tuple[str, ...] = (),
+def _remove_guards_on(guards: Any, sources: list[Any], *, exact: bool = False, kinds: tuple[str, ...] = (),
                       through_type: bool = False) -> None:
-    """Drop the guards on `source` and (unless `exact`) on what derives from it, optionally only
-    those of the given kinds; `through_type`: those on what derives from its type instead. (`GuardsSet.
-    remove_guards_with_source` in torch 2.11 compares only the root of each guard's source, so it
-    never matches a parameter.)"""
+    """Drop the guards on `sources` and (unless `exact`) on what derives from them, optionally only
+    those of the given kinds; `through_type`: those on what derives from their types instead. One
+    pass over the guard set, whatever the number of sources. (`GuardsSet.remove_guards_with_source`
+    in torch 2.11 compares only the root of each guard's source, so it never matches a parameter.)"""
     from torch.utils._ordered_set import OrderedSet
+
+    targets = set(sources)
+    types = [f"type({s.name})" for s in sources]
 
     def doomed(guard: Any) -> bool:
         if through_type:
-            return f"type({source.name})" in guard.name
-        on = guard.originating_source == source if exact else _derived_from(guard.originating_source, source)
+            return any(name in guard.name for name in types)
+        on = guard.originating_source in targets if exact else _derived_from(guard.originating_source, targets)
         return on and (not kinds or guard.create_fn_name() in kinds)
 
     kept = [g for g in guards if not doomed(g)]
