@@ -80,17 +80,24 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
     print(tabulate(cells, headers=list(columns), tablefmt="github", disable_numparse=True))
 
 
-def run_in_process(script: str, spec: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_in_process(script: str, spec: str, *args: str, env: dict[str, str] | None = None,
+                   timeout: float = 1800) -> dict[str, Any]:
     """`python script --one spec *args` in a process of its own (so no configuration is timed with
     another's compiled code, caches or memory), `env` added to its environment: the JSON line it
-    prints last, or the end of its stderr."""
+    prints last (kept if the process then fails on its way out), or the end of its stderr; one that
+    runs past `timeout` seconds is an error row, and the next configuration runs."""
     import os
     import subprocess
 
-    done = subprocess.run([sys.executable, script, "--one", spec, *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        done = subprocess.run([sys.executable, script, "--one", spec, *args], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        row = {"spec": spec, "error": f"no result after {timeout:.0f} s: {(expired.stderr or b'')[-2000:]!r}"}
+        say(json.dumps(row)[:600])
+        return row
     line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), None)
-    row = json.loads(line) if line and done.returncode == 0 else {"spec": spec, "error": done.stderr[-3000:]}
+    row = json.loads(line) if line else {"spec": spec, "error": done.stderr[-3000:]}
     say(json.dumps(row)[:600])
     return row
 

@@ -8,7 +8,10 @@ decoder layers (default 4: the compile of each configuration stays near a minute
 One step: `model(input_ids=ids, labels=ids).loss.backward()`, AdamW's step (the optimizer made
 before compiling, as training scripts do), `zero_grad`; batch 1, sequence 4096. Each configuration
 runs in a process of its own: the first step (it compiles) is timed alone, then the median of
-`--repeats` steps by CUDA events after warm-up, and the peak allocated memory over those steps.
+`--repeats` steps after two more (each timed from the host, the GPU synchronized after it), and the
+peak allocated memory over those steps. The sliding-window baseline is HF's sdpa with the dense
+boolean mask HF builds (no flash kernel takes it): "xform-flex" against it measures the blocks
+flex_attention skips.
 
 Configurations (`--only` takes a comma-separated list of model:configuration):
   inductor                 torch.compile(model)

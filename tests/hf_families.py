@@ -158,9 +158,6 @@ CONV1D = ("it is a Conv1D, not an nn.Linear: it computes torch.addmm with its we
           "change it")
 EXPERTS = ("it is a stack of 4 weight matrices (", "multiplies by, not an nn.Linear: only nn.Linear layers are "
            "changed; left as written. Hold each matrix as an nn.Linear to change it")
-FINITE_FILL = ("its mask fills masked scores with -3.403e+38, not -inf, so on a row masked at every position the "
-               "model as written attends evenly to all of them, where flex_attention attends to none; it reads data "
-               "(node '")
 
 
 def tied(owner: str, kind: str) -> str:

@@ -432,7 +432,7 @@ def hand_finite_padding(q, k, v, extra):
     """Causal + padding, masked with a finite fill, as Hugging Face's eager attention writes it."""
     qi, ki = _positions()
     allowed = (ki <= qi) & extra["keep"][:, None, None, :]
-    scores = q @ k.transpose(-2, -1) * D ** -0.5 + torch.where(allowed, 0.0, torch.finfo(q.dtype).min)
+    scores = q @ k.transpose(-2, -1) * D ** -0.5 + torch.where(allowed, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
     return scores.softmax(-1) @ v
 
 
@@ -462,6 +462,19 @@ def test_a_finite_fill_read_from_data_is_added_as_written_so_a_row_it_masks_ever
     (change,) = xform.report(model).changes("flex-attention")
     assert change.detail.startswith("-> flex_attention (additive bias; cpu;"), change.detail
     assert xform.report(model).skips("flex-attention") == []
+
+
+def test_an_fp16_finite_fill_read_from_data_is_left_with_the_reason():
+    """fp16's finfo.min (-65504) is no fill flex can add as written and keep a masked row even (the
+    model adds it in fp16, where it rounds): it stays a mask, and a row it can mask everywhere is left."""
+    q, k, v, extra = finite_padding_inputs(requires_grad=False)
+    q, k, v = q.half(), k.half(), v.half()
+    model = AsModule(hand_finite_padding)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    torch.testing.assert_close(out, hand_finite_padding(q, k, v, extra))
+    (skip,) = xform.report(model).skips("flex-attention")
+    assert skip.reason.startswith("its mask fills masked scores with -6.55e+04, not -inf, so on a row masked at every "
+                                  "position the model as written attends evenly to all of them"), skip.reason
 
 
 def test_a_finite_fill_read_from_data_is_left_in_training_with_the_reason():
@@ -664,6 +677,27 @@ def test_a_data_mask_without_a_backward_is_left_under_inductor_on_cuda_where_oth
         assert all(part in skip.reason for part in refused_because), skip.reason
         assert "in a graph with no backward Inductor's flex lowering does not keep that data alive" in skip.reason
         assert "illegal memory access" in skip.reason and "pass document ids as an input" in skip.reason
+
+
+def test_a_bias_the_graph_computes_without_a_backward_is_left_under_inductor_on_cuda(monkeypatch):
+    """Hugging Face's eager attention at inference adds a mask the graph computes: the CUDA rule
+    (applied here on the CPU) leaves it as written until a score_mod's data is checked on a GPU."""
+    import xform.transforms.attention.transform as attention
+    from xform.transforms.attention.refusals import inductor_cuda_refusal
+
+    monkeypatch.setattr(attention.FlexAttention, "_device_refusal",
+                        lambda self, site, graph, replaced: inductor_cuda_refusal(site, graph, replaced))
+    def computed_padding(q, k, v, extra):  # the padding computed in the graph, as HF's mask functions do
+        return hand_finite_padding(q, k, v, {"keep": extra["keep"].cumsum(-1) > 0})
+
+    q, k, v, extra = finite_padding_inputs(requires_grad=False)
+    model = AsModule(computed_padding)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    torch.testing.assert_close(out, computed_padding(q, k, v, extra))
+    (skip,) = xform.report(model).skips("flex-attention")
+    assert skip.reason.startswith("it adds to the scores a tensor the graph computes (node '"), skip.reason
+    assert skip.reason.endswith("for a score_mod's data this is not yet checked on a GPU, so it is left as written. "
+                                "With handoff='eager' it is rewritten"), skip.reason
 
 
 def test_flash_that_does_not_import_is_named_with_its_error(monkeypatch):

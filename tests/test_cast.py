@@ -245,3 +245,14 @@ def test_a_model_converted_after_the_cast_is_an_error_not_a_second_rounding():
     with pytest.raises(ValueError) as raised:
         compiled(x.half())
     assert str(raised.value).startswith(RECAST.format(held="float16", to="bfloat16"))
+
+
+def test_a_model_made_float_after_the_cast_is_cast_again_losslessly():
+    """model.float() after cast:bf16 holds the bf16 values in float32: casting them back rounds nothing."""
+    model, x = mlp(), torch.randn(4, 16)
+    compiled = torch.compile(model, backend=xform.Backend(["cast:bf16"]))
+    expected = compiled(x)
+    model.float()
+    assert model[0].weight.dtype == torch.float32
+    torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+    assert model[0].weight.dtype == torch.bfloat16

@@ -38,7 +38,7 @@ from torch import nn
 
 import xform
 from xform.transforms import CudaGraphs
-from hf_families import (FAMILIES, FINITE_FILL, GENERATING, LAYERS, Outputs, batch, run, sqnr, transformers,
+from hf_families import (FAMILIES, GENERATING, LAYERS, Outputs, batch, run, sqnr, transformers,
                          weight_skips, worst_grad_sqnr)
 from simulated_recorder import SimulatedRecorder
 
@@ -73,7 +73,7 @@ GREEDY = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "cache_i
 ROWWISE_HEAD = "float8-rowwise needs in_features and out_features that are multiples of 16; this layer is 64 -> 10"
 UNTRACEABLE = "AOTAutograd cannot trace it (DataDependentOutputException"
 DATA_BIAS = "it adds to the scores a tensor it reads per query or key ("
-DATA_MASKS = {"gemma2", "t5"}  # masks HF builds from data as float fills (written-out attention, T5's padding)
+WRITTEN_OUT = {"gemma2"}  # attention written out (HF's eager): it adds a float mask HF builds from data
 SOFTCAP_FIX = ("(for a Hugging Face model: attn_implementation='flex_attention', Hugging Face's own flex_attention, "
                "which keeps the soft-cap; its 'sdpa' drops the soft-cap)")
 CPU_FLEX_MASK = "a tensor computed in the graph, which Inductor's CPU flex kernel cannot take"
@@ -215,7 +215,7 @@ def assert_reported(report: xform.Report, model: nn.Module, family: str, names: 
         skipped = report.skips("flex-attention")
         assert len(skipped) == LAYERS and all(flex_left in s.reason for s in skipped), skipped
     elif "flex-attention" in names:
-        assert_attention_entries(report, family)
+        assert_attention_entries(report, family, train)
     if graphs is not None:
         assert_recorded(report, family, train, graphs)
 
@@ -235,15 +235,16 @@ def assert_weight_entries(report: xform.Report, model: nn.Module, family: str, s
     assert linears <= changed | skipped.keys(), linears - changed - skipped.keys()
 
 
-def assert_attention_entries(report: xform.Report, family: str) -> None:
-    """Every attention rewritten, or left as written with the reason where it adds a mask read from
-    data as a float fill (T5's padding mask with transformers 5.17, Gemma 2's written-out attention
-    in training): a row masked everywhere means something else to flex_attention. The fix named for
-    Gemma 2 keeps its soft-cap."""
+def assert_attention_entries(report: xform.Report, family: str, train: bool) -> None:
+    """Every attention rewritten (SDPA adds a float mask as flex_attention's score_mod does, in
+    training too); but a written-out attention adding a float mask read from data (Gemma 2's) is left
+    as written in training, with the reason: on a row such a mask masks everywhere, flex_attention's
+    backward cannot give the model's gradients. The fix named for Gemma 2 keeps its soft-cap."""
     changed, skipped = report.changes("flex-attention"), report.skips("flex-attention")
-    assert len(changed) + len(skipped) == (3 * LAYERS if family == "t5" else LAYERS), (changed, skipped)
-    assert all(s.reason.startswith((FINITE_FILL, DATA_BIAS)) for s in skipped), skipped
-    assert family in DATA_MASKS or not skipped, skipped
+    sites = 3 * LAYERS if family == "t5" else LAYERS
+    left = sites if train and family in WRITTEN_OUT else 0
+    assert (len(changed), len(skipped)) == (sites - left, left), (changed, skipped)
+    assert all(s.reason.startswith(DATA_BIAS) for s in skipped), skipped
     assert family != "gemma2" or all(s.reason.endswith(SOFTCAP_FIX) for s in skipped), skipped  # not sdpa's
 
 

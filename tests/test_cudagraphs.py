@@ -694,6 +694,9 @@ def test_a_graph_aotautograd_cannot_trace_runs_without_cuda_graphs_and_says_why(
     assert skip.reason.startswith("AOTAutograd cannot trace it (DataDependentOutputException: "
                                   "aten._local_scalar_dense.default): an op in it, or in its backward, reads a tensor's "
                                   "values on the host")
+    runs = ("found when it first ran, after Dynamo's compile, it runs as written: neither compiled nor recorded"
+            if split else "it runs without CUDA graphs")
+    assert f"where Dynamo would break the graph; {runs}. Fix: call that op outside" in skip.reason, skip.reason
     assert skip.target not in [c.target for c in report.changes("cudagraphs")]
 
 

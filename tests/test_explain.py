@@ -173,6 +173,9 @@ def test_explain_from_python_says_what_it_takes():
         xform.explain(torch.randn(4, 16), Block())
     with pytest.raises(ValueError, match="^xform: unknown transform .cudagraph. in spec .cudagraph.; accepted: "):
         xform.explain(Block(), torch.randn(4, 16), transforms=["cudagraph"])
+    with pytest.raises(ValueError, match=r"^xform.explain takes transforms as spec strings \(\['cast:bf16', "
+                                         r"'cudagraphs'\] or 'cast:bf16,cudagraphs'\), not \['Cast'\]$"):
+        xform.explain(Block(), torch.randn(4, 16), transforms=[xform.transforms.Cast()])
 
 
 # --- a bad target, said with what to change ----------------------------------------------------

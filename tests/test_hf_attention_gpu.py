@@ -2,14 +2,15 @@
 Llama, Mistral (sliding window), Qwen2, Gemma 2 (soft-cap, sliding window), GPT-2 and BERT, at the
 small sizes of tests/hf_families.py, in float32.
 
-HF's sdpa attention, without padding and left-padded, in training (logits and every gradient) and
-in inference, is rewritten to flex_attention at every layer and matches the model run eagerly.
-HF's eager attention (Llama's, and Gemma 2's with its soft-cap: transformers 5.25 refuses Gemma 2's
-sdpa), which adds a float mask read from data, is rewritten at inference and left as written in
-training with the reason. Tolerances, as SQNR (dB) against eager: 60 on the logits and 40 on the
-worst parameter's gradient (float32 computed in another order: Inductor's fusions and
-flex_attention's online softmax). The measured values are recorded as the tests' properties
-(`--junitxml`).
+HF's sdpa attention, without padding and left-padded, is rewritten to flex_attention at every layer
+in training and matches the model run eagerly (logits and every gradient). HF's eager attention
+(Llama's, and Gemma 2's with its soft-cap: transformers 5.25 refuses Gemma 2's sdpa) adds a float
+mask read from data: left as written in training, with the reason. At inference a padding mask the
+graph computes is left as written under Inductor on CUDA, with the reason (pytorch#181800: data a
+mask_mod reads freed before the kernel; not yet checked for a score_mod), and matches either way.
+Tolerances, as SQNR (dB) against eager: 60 on the logits and 40 on the worst parameter's gradient
+(float32 computed in another order: Inductor's fusions and flex_attention's online softmax). The
+measured values are recorded as the tests' properties (`--junitxml`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def test_flex_attention_on_a_hugging_face_family(name, attention, padded, train,
         grads_db = worst_grad_sqnr(eager, compiled)
         record_property("grads_db", round(grads_db, 1))
         assert grads_db >= GRADS_DB, (grads_db, changed, skipped)
-    if attention == "sdpa" or not train:
+    if train and attention == "sdpa":
         assert len(changed) == LAYERS and skipped == [], (changed, skipped)
-    else:  # a float mask read from data: flex's backward cannot give a fully masked row's gradients
-        assert changed == [] and len(skipped) == LAYERS, (changed, skipped)
+        return
+    assert changed == [] and len(skipped) == LAYERS, (changed, skipped)
+    if train:  # a float mask read from data: flex's backward cannot give a fully masked row's gradients
         assert all(reason.startswith("it adds to the scores a tensor it reads per query or key") for _, reason in skipped)
+    else:  # the padding mask the graph computes, read in a graph with no backward
+        assert all("pytorch/pytorch#181800" in reason for _, reason in skipped), skipped

@@ -294,14 +294,19 @@ class Explanation:
         return "\n".join(self.sections)
 
 
-def explain(model: nn.Module, *args: Any, transforms: str | Sequence[str] | None = None,
+def explain(model: nn.Module, /, *args: Any, transforms: str | Sequence[str] | None = None,
             **kwargs: Any) -> Explanation:
     """What the transforms (specs, as a list or comma-separated; None: the defaults for the model's
     mode) would do to `model(*args, **kwargs)`, and every CUDA-graph break, without a GPU. Each trace
-    runs on a copy of the model: `model` is left as it was."""
+    runs on a copy of the model: `model` is left as it was. Like `python -m xform explain`, it starts
+    from a clean `torch.compile` state (`torch.compiler.reset()`): models compiled before in this
+    process compile again at their next call, and their xform reports are cleared."""
     if not isinstance(model, nn.Module):
         raise ExplainError(f"xform.explain takes the model (an nn.Module) first, then its inputs, not a "
                            f"{type(model).__name__}: xform.explain(model, *args, transforms=[...], **kwargs)")
+    if transforms is not None and not isinstance(transforms, str) and not all(isinstance(t, str) for t in transforms):
+        raise ExplainError(f"xform.explain takes transforms as spec strings (['cast:bf16', 'cudagraphs'] or "
+                           f"'cast:bf16,cudagraphs'), not {[type(t).__name__ for t in transforms]}")
     specs = parse_specs(transforms if isinstance(transforms, str) else ",".join(transforms)) \
         if transforms is not None else None
     found = Explanation(None, None, [])
@@ -343,7 +348,10 @@ def _sections(title: str, fresh: Callable[[], Example], specs: list[str] | None,
                              f"(nothing compiled; choices that depend on the GPU are the CPU's here) ==", "",
                          str(graphs)]), "transforms", graphs
     if graphed:
-        graphs = trace_cuda_graphs(fresh() if others else example, graphed[0])
+        if others:  # the first trace changed this copy: the next one starts from a fresh one
+            del example
+            example = fresh()
+        graphs = trace_cuda_graphs(example, graphed[0])
         yield "\n".join(["", f"== {graphed[0]}: one call traced on fake tensors of a stand-in device for CUDA (no "
                              f"GPU used, nothing computed) ==", "", graphs.describe("cudagraphs"), "",
                          _break_summary(graphs)]), "cuda_graphs", graphs

@@ -20,20 +20,22 @@ import torch
 from torch import fx
 from torch._dynamo.exc import (RestartAnalysis, ShortenTraceback, SkipFrame, TorchDynamoException,
                                exceptions_allowed_to_be_fallback)
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from xform._torch import versions
 
-# what AOTAutograd's fake tensors cannot trace, and Dynamo breaks a graph on when a backend raises it:
-# an op whose output depends on data (a Mixture-of-Experts router's; a custom op whose backward
-# reads a tensor's values on the host, as transformers' grouped_mm_fallback does)
-UNTRACEABLE = exceptions_allowed_to_be_fallback
+# what AOTAutograd's fake tensors cannot trace because it depends on data: an op whose output's
+# values or shape do (a Mixture-of-Experts router's; a custom op whose backward reads a tensor's
+# values on the host, as transformers' grouped_mm_fallback does). Dynamo breaks a graph on these
+# and the other unsupported-op exceptions a backend raises; those others may be xform's own bugs.
+UNTRACEABLE = (DataDependentOutputException, DynamicOutputShapeException)
 
 # what Dynamo answers itself when a backend raises it, so it must reach Dynamo as it is, not as a
 # transform's or handoff's failure: its signals to restart or skip the analysis (a float read on the
-# host becoming a tensor, say), and the UNTRACEABLE exceptions it breaks the graph on (wrapped, the
-# whole compile failed where torch.compile(backend="inductor") runs). Also from a transform that
-# compiles the graph itself (cudagraphs' compile_graph calls the handoff).
-DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame, *UNTRACEABLE)
+# host becoming a tensor, say), and the exceptions it breaks the graph on (wrapped, the whole
+# compile failed where torch.compile(backend="inductor") runs). Also from a transform that compiles
+# the graph itself (cudagraphs' compile_graph calls the handoff).
+DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame, *exceptions_allowed_to_be_fallback)
 
 DynamoError = TorchDynamoException  # what a failed Dynamo trace raises
 

@@ -128,8 +128,8 @@ class Cast(Transform):
         if all(isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype == self.dtype for p in layer.params):
             record.note(f"{layer.path} was cast by an earlier compile of this model")
             return
-        recast = next((p.tensor for p in layer.params
-                       if isinstance(p.tensor, LowPrecisionWeight) and p.tensor.dtype != self.dtype), None)
+        recast = next((p.tensor for p in layer.params if isinstance(p.tensor, LowPrecisionWeight)  # model.float()
+                       and p.tensor.dtype != self.dtype and p.tensor.element_size() < 4), None)  # is lossless
         if recast is not None:
             raise ValueError(
                 f"xform: transform 'cast': {layer.path} holds {dtype_name(recast.dtype)} values that xform cast "

@@ -6,6 +6,7 @@ match was refused.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,8 +129,9 @@ def _add_mask_or_bias(site: AttentionSite, node: fx.Node, weight: float) -> None
         site.masks.append(Term(_program(node)))
         return
     split = _masking_fill(_through_casts_up(node))  # `bias.masked_fill(cond, -inf).to(q.dtype)` as people write it
-    if split is not None and split[3] != float("-inf") and not _program(split[1]).is_static:
-        split = None  # a finite fill from data: added as written (see Term.bias), so a row it masks everywhere stays even
+    if split is not None and -math.inf < split[3] <= BIAS_FLOOR and not _program(split[1]).is_static:
+        split = None  # a finite fill (finfo.min of fp32, bf16) from data: added as written, raised to BIAS_FLOOR
+        # (Term.bias), so a row it masks everywhere stays even; fp16's (-65504) stays a mask, refused
     if split is not None:
         kept, cond, attend_when, fill = split
         site.masks.append(Term(_program(cond), negate=not attend_when, fill=fill))

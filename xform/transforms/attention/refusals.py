@@ -46,7 +46,16 @@ def inductor_cuda_refusal(site: AttentionSite, graph: CapturedGraph, replaced: s
     either kernel: the lowering does not count the mask_mod's reads, so the data is freed after the
     other op (pytorch#181800). Data the caller passes, read by nothing else once the attentions are
     rewritten, is safe: its block mask is built before the call, as a hand-written model builds it."""
-    if _has_backward(site) or all(t.is_static for t in site.masks):
+    if _has_backward(site):
+        return None
+    computed_bias = next((n for t in site.biases if t.reads_per_position for n in t.buffer_nodes
+                          if n.op != "placeholder"), None)
+    if computed_bias is not None:
+        return (f"it adds to the scores a tensor the graph computes ({node_and_line(computed_bias)}), in a graph "
+                f"with no backward, where Inductor's flex lowering lost data a mask_mod read (pytorch/pytorch#181800: "
+                f"an illegal memory access on the H200, torch 2.11); for a score_mod's data this is not yet checked "
+                f"on a GPU, so it is left as written. With handoff='eager' it is rewritten")
+    if all(t.is_static for t in site.masks):
         return None
     buffers = [n for t in site.masks for n in t.buffer_nodes]
     before = built_before_the_call(site, graph)

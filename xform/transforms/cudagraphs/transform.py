@@ -44,12 +44,12 @@ def available_recorder() -> GraphRecorder | None:
     return shared_recorder() if torch.cuda.is_available() else None
 
 
-def _untraceable_reason(error: BaseException) -> str:
+def _untraceable_reason(error: BaseException, runs: str = "it runs without CUDA graphs") -> str:
     """Why a graph or region AOTAutograd could not trace (an `UNTRACEABLE` error) is not recorded."""
     return (f"AOTAutograd cannot trace it ({type(error).__name__}: {error}): an op in it, or in its backward, reads "
             f"a tensor's values on the host or takes a shape from them (a Mixture-of-Experts' grouped matmul, say), "
-            f"where Dynamo would break the graph; it runs without CUDA graphs. Fix: call that op outside the compiled "
-            f"code (torch.compiler.disable on the function calling it)")
+            f"where Dynamo would break the graph; {runs}. Fix: call that op outside the compiled code "
+            f"(torch.compiler.disable on the function calling it)")
 
 
 Layout = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -105,7 +105,9 @@ class _LazyRegion(nn.Module):
             return self._compile(args)
         except UNTRACEABLE as error:
             self._record.changes = [c for c in self._record.changes if c.target != self.region_name]
-            self._record.skipped(self.region_name, _untraceable_reason(error))
+            self._record.skipped(self.region_name, _untraceable_reason(
+                error, "found when it first ran, after Dynamo's compile, it runs as written: neither compiled nor "
+                       "recorded"))
             return self.gm.forward
         except Exception as error:
             raise RuntimeError(f"xform: transform 'cudagraphs': compiling {self.region_name} failed: "
