@@ -450,6 +450,16 @@ def finite_padding_inputs(requires_grad: bool) -> tuple:
     return q, k, v, extra
 
 
+def left_as_written(pattern, q, k, v, extra) -> str:
+    """`pattern` compiled with flex-attention (handoff eager) computes what it computes as written,
+    and its one attention is left as written: the reason."""
+    model = AsModule(pattern)
+    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
+    torch.testing.assert_close(out, pattern(q, k, v, extra))
+    (skip,) = xform.report(model).skips("flex-attention")
+    return skip.reason
+
+
 def test_a_finite_fill_read_from_data_is_added_as_written_so_a_row_it_masks_everywhere_stays_even():
     """Hugging Face's eager attention at inference: the finite mask is added to the scores as the model
     does, so a left-padded row, masked everywhere, attends evenly to every position as written."""
@@ -468,39 +478,26 @@ def test_an_fp16_finite_fill_read_from_data_is_left_with_the_reason():
     """fp16's finfo.min (-65504) is no fill flex can add as written and keep a masked row even (the
     model adds it in fp16, where it rounds): it stays a mask, and a row it can mask everywhere is left."""
     q, k, v, extra = finite_padding_inputs(requires_grad=False)
-    q, k, v = q.half(), k.half(), v.half()
-    model = AsModule(hand_finite_padding)
-    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
-    torch.testing.assert_close(out, hand_finite_padding(q, k, v, extra))
-    (skip,) = xform.report(model).skips("flex-attention")
-    assert skip.reason.startswith("its mask fills masked scores with -6.55e+04, not -inf, so on a row masked at every "
-                                  "position the model as written attends evenly to all of them"), skip.reason
+    reason = left_as_written(hand_finite_padding, q.half(), k.half(), v.half(), extra)
+    assert reason.startswith("its mask fills masked scores with -6.55e+04, not -inf, so on a row masked at every "
+                             "position the model as written attends evenly to all of them"), reason
 
 
 def test_a_finite_fill_read_from_data_is_left_in_training_with_the_reason():
-    q, k, v, extra = finite_padding_inputs(requires_grad=True)
-    model = AsModule(hand_finite_padding)
-    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
-    torch.testing.assert_close(out, hand_finite_padding(q, k, v, extra))
-    (skip,) = xform.report(model).skips("flex-attention")
-    assert skip.reason.startswith("it adds to the scores a tensor it reads per query or key (node 'l_args_3_keep_' "
-                                  "(test_attention.py:"), skip.reason
-    assert skip.reason.endswith("so it is left as written in training (rewritten at inference). Pass a boolean mask "
-                                "and mask with masked_fill(~mask, float('-inf')) (for a Hugging Face model: "
-                                "attn_implementation='sdpa', which xform rewrites)"), skip.reason
+    reason = left_as_written(hand_finite_padding, *finite_padding_inputs(requires_grad=True))
+    assert reason.startswith("it adds to the scores a tensor it reads per query or key (node 'l_args_3_keep_' "
+                             "(test_attention.py:"), reason
+    assert reason.endswith("so it is left as written in training (rewritten at inference). Pass a boolean mask and "
+                           "mask with masked_fill(~mask, float('-inf')) (for a Hugging Face model: "
+                           "attn_implementation='sdpa', which xform rewrites)"), reason
 
 
 def test_a_finite_fill_that_masks_a_whole_row_by_position_is_left_with_the_reason():
-    q, k, v, extra = inputs(requires_grad=True)
-    model = AsModule(hand_finite_strictly_causal)
-    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
-    torch.testing.assert_close(out, hand_finite_strictly_causal(q, k, v, extra))  # row 0 attends evenly
-    (skip,) = xform.report(model).skips("flex-attention")
-    assert skip.reason == ("its mask fills masked scores with -1e+09, not -inf, so on a row masked at every position "
-                           "the model as written attends evenly to all of them, where flex_attention attends to none, "
-                           "and its row 0 is masked everywhere; left as written. Fill with float('-inf') (for a "
-                           "Hugging Face model that offers it: attn_implementation='sdpa', which xform rewrites "
-                           "exactly)")
+    reason = left_as_written(hand_finite_strictly_causal, *inputs(requires_grad=True))  # row 0 attends evenly
+    assert reason == ("its mask fills masked scores with -1e+09, not -inf, so on a row masked at every position the "
+                      "model as written attends evenly to all of them, where flex_attention attends to none, and its "
+                      "row 0 is masked everywhere; left as written. Fill with float('-inf') (for a Hugging Face model "
+                      "that offers it: attn_implementation='sdpa', which xform rewrites exactly)")
 
 
 def sdpa_finite_key_padding(q, k, v, extra):
@@ -690,14 +687,10 @@ def test_a_bias_the_graph_computes_without_a_backward_is_left_under_inductor_on_
     def computed_padding(q, k, v, extra):  # the padding computed in the graph, as HF's mask functions do
         return hand_finite_padding(q, k, v, {"keep": extra["keep"].cumsum(-1) > 0})
 
-    q, k, v, extra = finite_padding_inputs(requires_grad=False)
-    model = AsModule(computed_padding)
-    out = xform.compile(model, "flex-attention", handoff="eager")(q, k, v, extra)
-    torch.testing.assert_close(out, computed_padding(q, k, v, extra))
-    (skip,) = xform.report(model).skips("flex-attention")
-    assert skip.reason.startswith("it adds to the scores a tensor the graph computes (node '"), skip.reason
-    assert skip.reason.endswith("for a score_mod's data this is not yet checked on a GPU, so it is left as written. "
-                                "With handoff='eager' it is rewritten"), skip.reason
+    reason = left_as_written(computed_padding, *finite_padding_inputs(requires_grad=False))
+    assert reason.startswith("it adds to the scores a tensor the graph computes (node '"), reason
+    assert reason.endswith("for a score_mod's data this is not yet checked on a GPU, so it is left as written. "
+                           "With handoff='eager' it is rewritten"), reason
 
 
 def test_flash_that_does_not_import_is_named_with_its_error(monkeypatch):
