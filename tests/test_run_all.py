@@ -267,7 +267,8 @@ def test_decode_processes_are_timed_after_one_untimed_process_per_configuration_
     from bench import cudagraphs
 
     started = []
-    monkeypatch.setattr(cudagraphs, "run_spec", lambda spec, env: started.append((spec, env)) or {"spec": spec})
+    monkeypatch.setattr(cudagraphs, "run_in_process",
+                        lambda script, spec, env=None: started.append((spec, env or {})) or {"spec": spec})
     specs = ["decode:plain:1:xform", "decode:plain:1:reduce-overhead"]
     rows = cudagraphs.run_all(specs, jobs=1, save=lambda rows: None, processes=2)
     prime = {cudagraphs.PRIME_ENV: "1"}
