@@ -69,11 +69,9 @@ def compiled(model: torch.nn.Module, config: str, device: str) -> Callable[..., 
         register_xform()
         return torch.compile(model, backend="xform", options={"transforms": TRANSFORMS[config]})
     if config == "torchao-float8-rowwise":
-        from torchao.float8 import convert_to_float8_training
+        from bench.quantize import by_hand
 
-        from xform.transforms import Quantize
-
-        convert_to_float8_training(model, config=Quantize("float8-rowwise").check(device).config)
+        return by_hand(model, "float8-rowwise", device)
     return torch.compile(model)
 
 

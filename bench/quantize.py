@@ -80,9 +80,9 @@ def make_input(kind: str, training: bool) -> torch.Tensor:
     return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=training)
 
 
-def by_hand(model: nn.Module, recipe: str) -> nn.Module:
-    """What a user writes with torchao directly, for the same recipe and config."""
-    config = Quantize(recipe).check("cuda").config
+def by_hand(model: nn.Module, recipe: str, device: str = "cuda") -> nn.Module:
+    """What a user writes with torchao directly, for the same recipe and config (as it runs on `device`)."""
+    config = Quantize(recipe).check(device).config
     if RECIPES[recipe].swap_module is not None and recipe != "float8-blockwise":
         from torchao.float8 import convert_to_float8_training
 

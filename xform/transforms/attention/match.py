@@ -129,15 +129,16 @@ def _add_mask_or_bias(site: AttentionSite, node: fx.Node, weight: float) -> None
         site.masks.append(Term(_program(node)))
         return
     split = _masking_fill(_through_casts_up(node))  # `bias.masked_fill(cond, -inf).to(q.dtype)` as people write it
-    if split is not None and -math.inf < split[3] <= BIAS_FLOOR and not _program(split[1]).is_static:
-        split = None  # a finite fill (finfo.min of fp32, bf16) from data: added as written, raised to BIAS_FLOOR
-        # (Term.bias), so a row it masks everywhere stays even; fp16's (-65504) stays a mask, refused
     if split is not None:
         kept, cond, attend_when, fill = split
-        site.masks.append(Term(_program(cond), negate=not attend_when, fill=fill))
-        if not isinstance(kept, fx.Node):  # `where(cond, 0.0, -inf)`: a number added where the mask holds
-            return  # is added to every score a row keeps, which the softmax does not see
-        node = kept
+        program = _program(cond)
+        # a finite fill (finfo.min of fp32, bf16) from data is added as written, raised to BIAS_FLOOR
+        # (Term.bias), so a row it masks everywhere stays even; fp16's (-65504) stays a mask, refused
+        if fill == -math.inf or fill > BIAS_FLOOR or program.is_static:
+            site.masks.append(Term(program, negate=not attend_when, fill=fill))
+            if not isinstance(kept, fx.Node):  # `where(cond, 0.0, -inf)`: a number added where the mask holds
+                return  # is added to every score a row keeps, which the softmax does not see
+            node = kept
     site.biases.append(Term(_program(node), weight))
 
 
