@@ -256,3 +256,35 @@ def test_a_model_made_float_after_the_cast_is_cast_again_losslessly():
     assert model[0].weight.dtype == torch.float32
     torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
     assert model[0].weight.dtype == torch.bfloat16
+
+
+class ReadsTheWeightsDtype(nn.Module):
+    """Casts its activations to the next layer's weight dtype before calling it, as T5's feed-forward
+    does (`if self.wo.weight.dtype != h.dtype: h = h.to(self.wo.weight.dtype)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi, self.wo = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.wi(x))
+        if self.wo.weight.dtype != h.dtype:
+            h = h.to(self.wo.weight.dtype)
+        return self.wo(h)
+
+
+@pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_code_reading_a_weights_dtype_sees_the_cast_dtype_from_the_first_call(handoff):
+    """Dynamo traced the model before cast changed it: the first graph took the float32 branch and
+    returned float32, a recompile (another batch size) took the bfloat16 one. The frame is traced
+    again after the cast, so every call returns what the cast model returns eagerly."""
+    model = ReadsTheWeightsDtype()
+    compiled = xform.compile(model, "cast:bf16", handoff=handoff)
+    inputs = [torch.randn(batch, 8) for batch in (2, 3, 4)]
+
+    outputs = [compiled(x) for x in inputs]
+
+    assert [out.dtype for out in outputs] == [torch.bfloat16] * 3
+    for x, out in zip(inputs, outputs):
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    assert [c.target for c in xform.report(model).changes("cast")] == ["wi", "wo"]

@@ -184,3 +184,20 @@ def test_a_failure_in_torch_names_xforms_line_not_the_torch_package_passing_the_
         blockwise_sqnr(torch.device("cpu"))
     assert re.fullmatch(r"raised at xform/_torch/dispatch\.py:\d+ in scaled_mm, "
                         r"from xform/transforms/quantize/probe\.py:\d+ in blockwise_sqnr", raised_at(raised.value))
+
+
+def test_a_transform_failing_after_a_cast_was_traced_again_leaves_the_cast_alone():
+    """cast changes the weights' dtype, so the frame is traced again from the cast model; a later
+    transform failing there undoes the cast too (the graph was traced from the cast weights), and
+    the frame is traced once more with cast alone."""
+    model, alone = mlp(), mlp()
+    alone.load_state_dict(model.state_dict())
+    x = torch.randn(2, 16)
+
+    with pytest.warns(xform.faults.TransformDropped, match="'broken'"):
+        out = xform.compile(model, "cast:bf16", Broken(), handoff="eager")(x)
+
+    assert [f[0] for f in xform.report(model).failures()] == ["broken"]
+    assert [c.target for c in xform.report(model).changes("cast")] == ["0", "2"]
+    assert model[0].weight.dtype == torch.bfloat16
+    torch.testing.assert_close(out, xform.compile(alone, "cast:bf16", handoff="eager")(x), rtol=0, atol=0)

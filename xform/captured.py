@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from xform._torch.dispatch import FakeTensor, forget_real_tensor
 from xform._torch.dynamo import (DynamoFrame, ModuleAttribute, calling_module_path, constant_source,
-                                 has_static_address, module_attribute, placeholder_source, update_placeholder)
+                                 module_attribute, placeholder_source, update_placeholder)
 from xform._torch.modules import carry_over
 from xform.fx_rewrite import fake_like
 from xform.guards import GuardChange, GuardModel, TensorExpectation
@@ -125,17 +125,6 @@ class CapturedGraph:
             if isinstance(root, nn.Module) and all(root is not r for r in roots):
                 roots.append(root)
         return roots
-
-    def stable_inputs(self) -> set[fx.Node]:
-        """The placeholders of inputs that keep their address from call to call: the model's
-        parameters and buffers, and tensors marked with `torch._dynamo.mark_static_address`."""
-        def stable(node: fx.Node, value: Any) -> bool:
-            source = placeholder_source(node)
-            return (isinstance(value, nn.Parameter) or has_static_address(value)
-                    or (source is not None and module_attribute(source) is not None))
-
-        return {node for node, value in zip(self.placeholders, self.example_inputs)
-                if isinstance(value, torch.Tensor) and stable(node, value)}
 
     def calling_module_path(self, node: fx.Node) -> str | None:
         """The path, within the model, of the innermost module whose forward made this call
@@ -288,6 +277,17 @@ class CapturedGraph:
                 for key in keys:
                     node.meta.pop(key, None)
         self.frame = None
+
+    def inherit(self, undo: list[Callable[[], None]], replacements: list[Replacement]) -> None:
+        """Take on the changes an earlier trace of this frame made to the model (`xform.retrace`):
+        undone with this graph's own if its compile fails, and followed by the optimizers."""
+        self._undo[:0] = undo
+        self.replacements[:0] = replacements
+
+    def take_undo(self) -> list[Callable[[], None]]:
+        """The undo actions registered so far, oldest first, handed over (this graph keeps none)."""
+        undo, self._undo = self._undo, []
+        return undo
 
     def undo_model_changes(self) -> None:
         """Take back, newest first, every change made to the model through this graph."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal, Sequence
 
-from torch import fx
+import torch
+from torch import fx, nn
 
 from xform._torch import inductor
+from xform._torch.dispatch import is_traceable_wrapper_subclass
 from xform.faults import strict
 from xform.fx_rewrite import is_in_place
 from xform.log import logger
@@ -106,7 +108,8 @@ class InductorHandoff:
 
 
 class EagerHandoff:
-    """Run the transformed graph as PyTorch code (through AOTAutograd only when an AOT hook needs it)."""
+    """Run the transformed graph as PyTorch code; through AOTAutograd when an AOT hook needs it, or
+    when the graph's weights mix the two kinds of tensor subclass (`_mixes_subclass_kinds`)."""
 
     kind: HandoffKind = "eager"
     label = "eager"
@@ -114,7 +117,7 @@ class EagerHandoff:
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], aot_hook: AotHook | None,
                 wrap_inner: InnerWrapper | None = None) -> Callable[..., Any]:
-        if aot_hook is None and wrap_inner is None:
+        if aot_hook is None and wrap_inner is None and not _mixes_subclass_kinds(example_inputs):
             return gm.forward
         def compiler(kind: str) -> Callable[..., Any]:
             def run(aot_gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -130,6 +133,17 @@ class EagerHandoff:
             fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference")
         )
         return backend(gm, example_inputs)
+
+
+def _mixes_subclass_kinds(inputs: Sequence[Any]) -> bool:
+    """Whether the inputs hold both a `__torch_function__` subclass Dynamo traces through (cast's
+    `LowPrecisionWeight`) and a wrapper subclass (torchao's quantized weights). Dynamo runs such a
+    graph with `__torch_function__` disabled, so as not to apply the first one's twice, which also
+    skips the wrapper's own linear (torchao's Float8Tensor then fails on `aten.addmm`); AOTAutograd
+    runs the wrapper's ops as it defines them."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter)]
+    wrappers = [t for t in tensors if is_traceable_wrapper_subclass(t)]
+    return bool(wrappers) and len(wrappers) < len(tensors)
 
 
 class ThunderHandoff:

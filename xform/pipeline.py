@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch import fx
 
-from xform._torch.dynamo import DYNAMO_SIGNALS
+from xform._torch.dynamo import DYNAMO_SIGNALS, retrace
 from xform.captured import CapturedGraph
 from xform.faults import TransformFailed, strict, transform_failure, warn_dropped
 from xform.handoff import Handoff, InductorHandoff
@@ -23,6 +23,7 @@ from xform.log import logger
 from xform.optimizers import retarget_optimizers
 from xform.registry import resolve
 from xform.report import GraphRecord, TransformRecord
+from xform.retrace import EarlierTrace, ParametersRetyped, hand_over, retyped, taken_over
 from xform.transform import Transform
 
 PARAMETERS_NOT_INPUTS = (
@@ -88,13 +89,23 @@ class Pipeline:
         input) is dropped for this graph: its changes to the model are undone, the graph is
         transformed again from Dynamo's original by the others, and the report says what failed.
         With XFORM_STRICT=1 the failure is raised instead.
+
+        A transform that gives parameters another dtype has Dynamo trace the frame again
+        (`xform.retrace`); what this trace did is kept for the next (`EarlierTrace`).
         """
-        active = list(self.transforms)
-        failures: list[TransformRecord] = []
+        earlier = taken_over(record.graph)
+        failures = list(earlier.failures)
+        active = [t for t in self.transforms if t.name not in {f.transform for f in failures}]
         while True:
             graph = make_graph()
+            graph.inherit(earlier.undo, earlier.replacements)
             try:
-                compiled = self._run_once(graph, active, record)
+                compiled = self._run_once(graph, active, record, earlier.records)
+            except ParametersRetyped as changed:
+                hand_over(record.graph, EarlierTrace(changed.records, graph.take_undo(), graph.replacements, failures))
+                frame = graph.frame
+                graph.release()  # the model keeps its changes: the next trace is to see them
+                raise retrace(frame, str(changed)) from None
             except Exception as error:
                 graph.undo_model_changes()  # whatever happens next, the model is as the user left it
                 failure = transform_failure(error)
@@ -106,24 +117,37 @@ class Pipeline:
                               f"(XFORM_STRICT=1 raises instead)")
                 failures.append(failed)
                 active = [t for t in active if t is not failure.transform]
+                if earlier.undo:  # traced after changes now undone: trace the model as it is again
+                    hand_over(record.graph, EarlierTrace(failures=failures))
+                    raise retrace(graph.frame, f"xform: transform {failure.transform.name!r} failed; its changes "
+                                               f"to the model were undone") from error
                 continue
             record.transforms += failures
             graph.release()
             return compiled
 
-    def _run_once(self, graph: CapturedGraph, transforms: list[Transform], record: GraphRecord) -> Callable[..., Any]:
-        records = {t.name: TransformRecord(t.name) for t in transforms}
+    def _run_once(self, graph: CapturedGraph, transforms: list[Transform], record: GraphRecord,
+                  earlier: dict[str, TransformRecord]) -> Callable[..., Any]:
+        records = {t.name: earlier.get(t.name) or TransformRecord(t.name) for t in transforms}
         record.transforms = list(records.values())
 
         def using(hook: str) -> list[Transform]:
             return [t for t in transforms if t.overrides(hook)]
 
         held = graph.parameters_held_by_graph_module()
+        ran: list[str] = []
         for t in using("transform_parameters"):
+            # after a retrace the parameters are as the earlier trace left them: report what it did
+            target = TransformRecord(t.name) if t.name in earlier else records[t.name]
             if held:
-                records[t.name].skipped(f"{len(held)} parameters", PARAMETERS_NOT_INPUTS)
-            with _timed(t, records[t.name], "transform_parameters"):
-                t.transform_parameters(graph, records[t.name])
+                target.skipped(f"{len(held)} parameters", PARAMETERS_NOT_INPUTS)
+            replaced = len(graph.replacements)
+            with _timed(t, target, "transform_parameters"):
+                t.transform_parameters(graph, target)
+            ran.append(t.name)
+            changed = retyped(graph.replacements[replaced:])
+            if changed and graph.frame is not None and t.name not in earlier:  # once per transform: no loop
+                raise ParametersRetyped(t.name, changed, {name: records[name] for name in ran})
         for t in using("transform_graph"):
             with _timed(t, records[t.name], "transform_graph"):
                 t.transform_graph(graph, records[t.name])

@@ -147,7 +147,8 @@ class Report:
                 for s in grouped_skips(t.skips):
                     lines.append(f"  not changed: {s.target}")
                     lines += textwrap.wrap(s.reason, width, initial_indent="      ", subsequent_indent="      ")
-                lines += [f"  note: {n}" for n in t.notes]
+                for n in t.notes:
+                    lines += textwrap.wrap(n, width, initial_indent="  note: ", subsequent_indent="        ")
                 lines += [f"  FAILED: {t.failure}"] if t.failure else []
         return "\n".join(lines) if lines else "no graph compiled yet (call the compiled model once)"
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
-from torch._dynamo.exc import (RestartAnalysis, ShortenTraceback, SkipFrame, TorchDynamoException,
-                               exceptions_allowed_to_be_fallback)
+from torch._dynamo.exc import (RestartAnalysis, ShortenTraceback, SkipFrame, TensorifyScalarRestartAnalysis,
+                               TorchDynamoException, exceptions_allowed_to_be_fallback)
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from xform._torch import versions
@@ -38,6 +38,23 @@ UNTRACEABLE = (DataDependentOutputException, DynamicOutputShapeException)
 DYNAMO_SIGNALS = (RestartAnalysis, SkipFrame, *exceptions_allowed_to_be_fallback)
 
 DynamoError = TorchDynamoException  # what a failed Dynamo trace raises
+
+
+class RetraceAfterModelChange(TensorifyScalarRestartAnalysis):
+    """xform's request that Dynamo trace the frame under compilation again from its start, because
+    a transform changed what the model holds in a way the traced code may have read (a weight's
+    dtype: `if self.wo.weight.dtype != h.dtype`, as T5 writes), so the retrace sees the model as it
+    now is. Dynamo wraps every other exception a backend raises in `BackendCompilerFailed`; this
+    restart signal (that of a float read on the host becoming a tensor) it lets through and answers
+    by tracing the frame again (torch 2.11 to 2.14)."""
+
+
+def retrace(frame: DynamoFrame, reason: str) -> RetraceAfterModelChange:
+    """The signal to raise from the backend for Dynamo to trace `frame` again. The retrace may take
+    other branches than the first trace did, so Dynamo's record of where that trace may break the
+    graph (its speculation log, replayed on a restart and checked against it) is cleared first."""
+    frame.output_graph.root_tx.speculation_log.clear()
+    return RetraceAfterModelChange(reason, restart_reason=reason)
 
 
 class PassedOnError(ShortenTraceback):

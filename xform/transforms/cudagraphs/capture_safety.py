@@ -3,8 +3,7 @@
 A CUDA graph records GPU work once and replays it with the same memory addresses and sizes. A node
 breaks that when it needs the host (a GPU value read into Python, a CPU tensor), when its sizes are
 not fixed (dynamic or data-dependent shapes), when replaying it would not do what running it does
-(writing into a graph input that the replay reads from its own copy, a user-supplied RNG
-generator), or when its author marked it unsafe (`torch.Tag.cudagraph_unsafe`). Each check is a
+(a user-supplied RNG generator), or when its author marked it unsafe (`torch.Tag.cudagraph_unsafe`). Each check is a
 small function of one node; the first that objects gives the node's `CaptureBreak`, in words a
 user can act on: the node, the line of the user's code it came from, the reason and the fix.
 """
@@ -12,7 +11,7 @@ user can act on: the node, the line of the user's code it came from, the reason 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import fx
@@ -20,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_sy
 
 from xform._torch.dispatch import OpOverload, OpOverloadPacket, is_op_overload, overload_name
 from xform._torch.pytree import tree_leaves
-from xform.fx_rewrite import example_value, is_in_place, op_name, user_source
+from xform.fx_rewrite import example_value, op_name, user_source
 
 OPS = ("call_function", "call_method", "call_module")
 
@@ -151,32 +150,11 @@ def alias_base(node: fx.Node) -> fx.Node:
     return node
 
 
-def _writes_graph_input(stable: set[fx.Node]) -> Callable[[fx.Node, Any], tuple[str, str] | None]:
-    def check(node: fx.Node, _: Any) -> tuple[str, str] | None:
-        if not is_in_place(node) or not node.args or not isinstance(node.args[0], fx.Node):
-            return None
-        root = alias_base(node.args[0])
-        if root.op != "placeholder" or root in stable:
-            return None
-        return (f"it writes in place into the graph input '{root.name}', which is neither module state nor marked "
-                f"as keeping its address: a recording writes the tensor at the address it was recorded with, so "
-                f"one passed at a new address on each call would need a recording on each call",
-                "return the new value instead of modifying the argument, or make the tensor a registered buffer "
-                "of the module or mark it with torch._dynamo.mark_static_address (as Hugging Face's static cache "
-                "is): those are recorded in place")
-
-    return check
-
-
-def find_breaks(gm: fx.GraphModule, stable: set[fx.Node], device_type: str = "cuda") -> dict[fx.Node, CaptureBreak]:
-    """Every op node of `gm` a CUDA graph cannot record, with its break.
-
-    `stable` holds the placeholders of inputs that keep their address (the model's parameters and
-    buffers, tensors marked with `mark_static_address`), written in place; `device_type` is the
-    device whose work is recorded.
-    """
-    checks = (_host_read, _marked_unsafe, _user_generator, _off_device, _host_scalar_input, _symbolic,
-              _writes_graph_input(stable))
+def find_breaks(gm: fx.GraphModule, device_type: str = "cuda") -> dict[fx.Node, CaptureBreak]:
+    """Every op node of `gm` a CUDA graph cannot record, with its break; `device_type` is the
+    device whose work is recorded. (A write into a graph input is no break: the replays write the
+    caller's tensor, `replay.GraphedFunction`.)"""
+    checks = (_host_read, _marked_unsafe, _user_generator, _off_device, _host_scalar_input, _symbolic)
     breaks: dict[fx.Node, CaptureBreak] = {}
     for node in gm.graph.nodes:
         if node.op not in OPS:

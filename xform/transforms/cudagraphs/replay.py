@@ -19,7 +19,8 @@ activations, read by its backward; a layer's output, read by the next layer's gr
 allocator keeps those blocks out of this recording's ranges. So is any other input found where the
 layer's first call found it (a buffer the caller fills again, a gradient the allocator places alike
 each step): no static copy of it in the pool, no copy per replay. Once one is found elsewhere, the
-next recording copies the inputs in. A replay first checks its signature: the addresses of the
+next recording copies the inputs in, and those it writes (an output buffer, a cache the caller
+allocated) are copied back into the caller's tensors after each replay. A replay first checks its signature: the addresses of the
 in-place inputs and the sizes, strides and dtypes of the copied ones and of the other inputs read
 in place (and the values of numbers). A new signature records a new graph: one
 compiled function may serve many signatures (Dynamo compiles a layer's code once for all the
@@ -53,7 +54,7 @@ class ReplayStats:
     uncaptured_calls: int = 0  # after the warm-up: calls run without a graph (too many signatures, or failed)
     fallback: str | None = None  # why the region runs uncaptured for good
     moved_bytes: int = 0  # outputs still alive where a replay writes, copied out of its way
-    copied_in_bytes: int = 0  # inputs copied into the pool before replays (not module state, in the pool or steady)
+    copied_in_bytes: int = 0  # inputs copied into the pool (not module state, in the pool or steady), back if written
     stuck: int = 0  # live outputs in the way that could not be moved (torch < 2.13): calls run uncaptured
     invalidated: int = 0  # live outputs in the way invalidated (stale_outputs="error"): reading one raises
     events: list[str] = field(default_factory=list)
@@ -126,12 +127,14 @@ class _Recording:
     copies once a handout could not be moved out of another replay's way (`copy_from_now_on`)."""
 
     def __init__(self, ptrs: list[int | None], metas: dict[int, Any], in_place_idxs: list[int], copy_idxs: list[int],
-                 consumed: list[int], recorded: Recorded, writes: Ranges, specs: list[_OutputSpec],
-                 groups: int, stale: str | None) -> None:
+                 written: set[int], consumed: list[int], recorded: Recorded, writes: Ranges,
+                 specs: list[_OutputSpec], groups: int, stale: str | None) -> None:
         self.ptrs = ptrs  # per input: the address recorded in place, or None
         self.metas = metas  # input index -> size, stride, dtype, device it was recorded with (or its value)
         self.in_place_idxs = in_place_idxs
         self.copy_idxs = copy_idxs
+        # inputs the graph writes that are copied in: their copies are copied back into them after a replay
+        self.copy_back = [(k, i) for k, i in enumerate(copy_idxs) if i in written]
         self.consumed = consumed  # in-place inputs the recording freed: the graph may write over them
         self.replay, self.inputs, self.writes = recorded.replay, recorded.inputs, writes
         self.copied_bytes = sum(t.numel() * t.element_size() for t in self.inputs)
@@ -157,6 +160,9 @@ class _Recording:
             dispatch.foreach_copy_(self.inputs, [args[i] for i in self.copy_idxs])
             stats.copied_in_bytes += self.copied_bytes
         self.replay()
+        if self.copy_back:
+            dispatch.foreach_copy_([args[i] for _, i in self.copy_back], [self.inputs[k] for k, _ in self.copy_back])
+            stats.copied_in_bytes += sum(self.inputs[k].nbytes for k, _ in self.copy_back)
         if self._owned is not None:  # the first replay: the recording's own allocations
             storages, self._owned = self._owned, None
             for storage in storages:
@@ -186,8 +192,8 @@ class GraphedFunction:
         self._recorder = recorder
         self._module_state = module_state
         # inputs the compiled function writes (AOTAutograd keeps a write into an input in its graph):
-        # the caller's tensors themselves, never copies; by address, but not a layer's identity,
-        # which the ranks of a distributed run must agree on whatever the allocator hands each
+        # read and written in place while found where they were first seen, as the other inputs are;
+        # once one moves, copied in and, after each replay, copied back into the caller's tensor
         self._written = set(written)
         self._warmup = warmup
         self._max_signatures = max_signatures  # one per set of in-place addresses (a layer's parameters)
@@ -384,7 +390,7 @@ class GraphedFunction:
             return None
         held = self._handouts.held(args)
         steady = self._steady_inputs(args) - held
-        in_place = set(self._in_place_idxs) | held | steady | self._written
+        in_place = set(self._in_place_idxs) | held | steady
         copy_idxs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in in_place]
         ptrs = [a.data_ptr() if i in in_place else None for i, a in enumerate(args)]
         # numbers are recorded as constants: a different value needs a recording of its own; the
@@ -414,8 +420,8 @@ class GraphedFunction:
         # consumed) it may have written over
         writes = subtract_ranges(recorded.writes, [(h.start, h.end) for h in before if not h.ref.expired()])
         consumed = [i for i in consumable if meets(writes, ptrs[i], ptrs[i] + 1)]
-        recording = _Recording(ptrs, metas, sorted(in_place), copy_idxs, consumed, recorded, writes, self._specs,
-                               self._groups, self._stale)
+        recording = _Recording(ptrs, metas, sorted(in_place), copy_idxs, self._written, consumed, recorded, writes,
+                               self._specs, self._groups, self._stale)
         self._recordings.append(recording)
         self._last = len(self._recordings) - 1
         self.stats.recordings += 1

@@ -153,7 +153,7 @@ class CudaGraphs(Transform):
         if whole is not None:
             record.skipped("graph", whole)
             return None
-        breaks = find_breaks(graph.gm, graph.stable_inputs(), recorder.device_type)
+        breaks = find_breaks(graph.gm, recorder.device_type)
         for node_break in breaks.values():
             record.skipped(f"{node_break.op} (node {node_break.node})" + (f" at {node_break.source}" if node_break.source
                                                                            else ""),

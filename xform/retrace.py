@@ -1,0 +1,61 @@
+"""Tracing a frame again after a transform gave parameters another dtype.
+
+Dynamo traces the model before the backend sees it, so the first graph of a frame is traced from
+the model as the user left it. Code that reads a weight's dtype (T5 casts its activations to
+`self.wo.weight.dtype`) takes the old dtype's branch there, and a recompile (a new batch size)
+takes the new one's: the outputs' dtype would change between calls. So when a transform gives
+parameters another dtype (cast), the pipeline has Dynamo trace the frame again
+(`xform._torch.dynamo.retrace`), and every graph is traced from the model as it now is.
+
+The retrace finds the parameters already changed; what the first trace did to them (the records of
+the transforms that ran, the changes to undo if the compile fails, the replacements the optimizers
+must follow) is handed to it as an `EarlierTrace`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from xform.optimizers import Replacement
+from xform.report import TransformRecord
+
+
+@dataclass
+class EarlierTrace:
+    """What a graph's earlier trace left for the next trace of the same frame."""
+
+    records: dict[str, TransformRecord] = field(default_factory=dict)  # of the transforms that ran on it
+    undo: list[Callable[[], None]] = field(default_factory=list)  # its changes to the model, oldest first
+    replacements: list[Replacement] = field(default_factory=list)  # the parameters it replaced
+    failures: list[TransformRecord] = field(default_factory=list)  # the transforms dropped for this graph
+
+
+_handed_over: dict[str, EarlierTrace] = {}  # by Dynamo's compile id, which a retrace keeps
+
+
+def hand_over(graph_id: str, trace: EarlierTrace) -> None:
+    """Keep what a trace of graph `graph_id` did for the retrace Dynamo is asked for (a backend made
+    per call, as `backend="xform"` is, is another object on the retrace)."""
+    _handed_over[graph_id] = trace
+
+
+def taken_over(graph_id: str) -> EarlierTrace:
+    """What an earlier trace of graph `graph_id` handed over (nothing, for a first trace)."""
+    return _handed_over.pop(graph_id, EarlierTrace())
+
+
+class ParametersRetyped(Exception):
+    """Raised by the pipeline when `transform` replaced parameters with tensors of another dtype."""
+
+    def __init__(self, transform: str, changed: list[Replacement], records: dict[str, TransformRecord]) -> None:
+        super().__init__(f"xform: transform {transform!r} changed the dtype of {len(changed)} parameters "
+                         f"({changed[0].fqn}, ...); traced again so that code reading it sees the new one")
+        self.records = records
+        records[transform].note(f"the frame was traced again after the dtype of {len(changed)} parameters changed, "
+                                f"so that code reading a weight's dtype sees the new one")
+
+
+def retyped(replacements: list[Replacement]) -> list[Replacement]:
+    """The replacements whose tensor has another dtype than the parameter it replaced."""
+    return [r for r in replacements if r.old.dtype != r.new.dtype]
