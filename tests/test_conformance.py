@@ -78,7 +78,6 @@ SOFTCAP_FIX = ("(for a Hugging Face model: attn_implementation='flex_attention',
                "which keeps the soft-cap; its 'sdpa' drops the soft-cap)")
 CPU_FLEX_MASK = "a tensor computed in the graph, which Inductor's CPU flex kernel cannot take"
 CPU_FLEX_BACKWARD = "it needs a gradient, and flex_attention has no CPU backward"
-DYNAMIC = "the graph was compiled for dynamic shapes ("
 
 
 def _param(family: str, train: bool | None, specs: str) -> Any:
@@ -132,9 +131,9 @@ def test_generate_with_a_static_cache(family: str, specs: str, recorder: Simulat
     """generate() compiles its decode step with backend="xform" (a CompileConfig, as users pass it),
     its CUDA graphs recorded by the simulated recorder: the tokens are eager greedy generate()'s,
     from the second call on those of the model as the transforms left it (the first call's prompt
-    runs eagerly before the transforms change the weights). Where the decode step is not recorded
-    (a sliding window's cache length, a Python int, recompiles it for dynamic shapes), the report
-    says why."""
+    runs eagerly before the transforms change the weights). Every decode step is recorded, the
+    sliding window's too: its cache length, a Python int Dynamo makes dynamic, is host arithmetic
+    run between the replays (it was a whole-graph refusal for dynamic shapes)."""
     torch.manual_seed(0)
     model = FAMILIES[family]().eval()
     prompt = {k: v for k, v in batch(family, train=False).items() if k != "decoder_input_ids"}
@@ -149,9 +148,7 @@ def test_generate_with_a_static_cache(family: str, specs: str, recorder: Simulat
         assert torch.equal(generate(model, prompt, config), expected)
     report = xform.report(model)
     assert report.failures() == [] and report.changes("cudagraphs")
-    skipped = report.skips("cudagraphs")
-    assert all(s.reason.startswith(DYNAMIC) for s in skipped), skipped
-    assert recorder.recorded >= 1 or skipped
+    assert report.skips("cudagraphs") == [] and recorder.recorded >= 1
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -543,6 +543,50 @@ def test_dynamic_shapes_leave_the_graph_unrecorded_and_say_so(recorder):
     assert skip.reason.startswith("the graph was compiled for dynamic shapes (s") and "dynamic=False" in skip.reason
 
 
+class Length:
+    """A cache length kept as a Python int the step increments, as Hugging Face's sliding-window
+    cache keeps one: Dynamo makes it a SymInt input from the second value on."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class CountsTokens(nn.Module):
+    def __init__(self, scale_by_length: bool = False) -> None:
+        super().__init__()
+        self.fc, self.scale_by_length = nn.Linear(8, 8), scale_by_length
+
+    def forward(self, x, length):
+        length.value += 1
+        y = self.fc(x).relu().sin()
+        return y * length.value if self.scale_by_length else y
+
+
+def test_a_number_only_host_arithmetic_reads_leaves_the_graph_recordable(recorder):
+    """The int is a dynamic input, but only `length.value + 1` reads it, on the host: the tensor work
+    has static sizes and is recorded, the arithmetic runs between the replays."""
+    model, transform = CountsTokens(), CudaGraphs()
+    step, length = compiled(model, transform), Length()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(step(x, length), model.fc(x).relu().sin())
+    assert length.value == 6
+    assert xform.report(model).skips("cudagraphs") == []
+    assert sum(f.stats.replays for f in transform.functions) >= 2 and recorder.recorded >= 1
+
+
+def test_a_number_a_tensor_op_reads_keeps_the_dynamic_graph_unrecorded(recorder):
+    model, transform = CountsTokens(scale_by_length=True), CudaGraphs()
+    step, length = compiled(model, transform), Length()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for call in range(1, 4):
+            torch.testing.assert_close(step(x, length), model.fc(x).relu().sin() * call)
+    reasons = [s.reason for s in xform.report(model).skips("cudagraphs")]
+    assert reasons and all(r.startswith("the graph was compiled for dynamic shapes (") for r in reasons), reasons
+
+
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -676,15 +720,23 @@ scaled_by_offsets.register_autograd(
     setup_context=lambda ctx, inputs, output: setattr(ctx, "offsets", inputs[1]))
 
 
+@torch.library.custom_op("xform_test::unsafe_cos", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def unsafe_cos(x: torch.Tensor) -> torch.Tensor:
+    return x.cos()
+
+
+unsafe_cos.register_fake(lambda x: torch.empty_like(x))
+
+
 class HostOffsets(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, split: bool = False) -> None:
         super().__init__()
-        self.linear = nn.Linear(16, 16)
+        self.linear, self.split = nn.Linear(16, 16), split
         self.register_buffer("offsets", torch.tensor([1.0, 2.0]))
 
-    def forward(self, x, out=None):
-        if out is not None:
-            out.copy_(x.cos())  # a break: the graph splits into regions around it
+    def forward(self, x):
+        if self.split:
+            x = unsafe_cos(x)  # a break: the graph splits into regions around it
         return scaled_by_offsets(torch.relu(self.linear(x)), self.offsets).sin()
 
 
@@ -696,11 +748,10 @@ def test_a_graph_aotautograd_cannot_trace_runs_without_cuda_graphs_and_says_why(
     graph (region) runs without CUDA graphs, the report says why, and no transform is dropped, not
     even with XFORM_STRICT=1 (Dynamo would have broken the graph there, and the cast with it)."""
     monkeypatch.setenv("XFORM_STRICT", "1")
-    model, x = HostOffsets(), torch.randn(8, 16)
-    extra = [torch.zeros(8, 16)] if split else []
+    model, x = HostOffsets(split), torch.randn(8, 16)
     step = torch.compile(model, backend=xform.Backend(["cast:bf16", CudaGraphs(min_region_ops=1)], handoff="eager"))
     for _ in range(3):
-        _assert_grads_match_eager(model, lambda x: step(x, *extra), x)
+        _assert_grads_match_eager(model, step, x)
     report = xform.report(model)
     assert report.failures() == [] and [c.target for c in report.changes("cast") if c.kind == "layer"] == ["linear"]
     (skip,) = [s for s in report.skips("cudagraphs") if "AOTAutograd" in s.reason]

@@ -167,6 +167,21 @@ def find_breaks(gm: fx.GraphModule, device_type: str = "cuda") -> dict[fx.Node, 
     return breaks
 
 
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def host_numbers(gm: fx.GraphModule) -> set[fx.Node]:
+    """The graph's number inputs (SymInts: Python ints Dynamo made dynamic) and the arithmetic on
+    them alone: host work, not GPU work, run between the replays. Hugging Face's sliding-window
+    cache passes its length so, and the graph returns it plus one."""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", *OPS) and isinstance(example_value(node), _SYM) \
+                and all(source in found for source in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def graph_level_reason(gm: fx.GraphModule, device_type: str = "cuda") -> str | None:
     """Why no part of the graph can be recorded, when that holds for all of it at once."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -175,9 +190,22 @@ def graph_level_reason(gm: fx.GraphModule, device_type: str = "cuda") -> str | N
     if not any(t.device.type == device_type for t in tensors):
         return f"no tensor in this graph is on {device_type}: CUDA graphs record {device_type} work only"
     dynamic = sorted({str(s) for t in _tensors(inputs) for size in t.shape for s in free_symbols(size)})
-    dynamic += [n.name for n, v in zip(placeholders, inputs) if isinstance(v, torch.SymInt)]
+    numbers = host_numbers(gm)  # a number only the host's arithmetic reads changes no recorded work
+    dynamic += [n.name for n in placeholders if n in numbers
+                and any(u.op != "output" and u not in numbers for u in _readers(n, numbers))]
     if dynamic:
         return (f"the graph was compiled for dynamic shapes ({', '.join(dynamic)}), and a CUDA graph fixes every "
                 f"size. Fix: compile with dynamic=False (xform then records one graph per static shape), or "
                 f"torch._dynamo.mark_static the inputs")
     return None
+
+
+def _readers(node: fx.Node, numbers: set[fx.Node]) -> list[fx.Node]:
+    """The nodes reading `node`, through the host arithmetic on it."""
+    found, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        found.append(user)
+        if user in numbers:
+            todo += user.users
+    return found

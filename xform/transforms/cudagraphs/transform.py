@@ -25,7 +25,7 @@ from xform.captured import CapturedGraph
 from xform.registry import register_transform
 from xform.report import TransformRecord
 from xform.transform import Transform, option_error
-from xform.transforms.cudagraphs.capture_safety import find_breaks, graph_level_reason
+from xform.transforms.cudagraphs.capture_safety import find_breaks, graph_level_reason, host_numbers
 from xform.transforms.cudagraphs.recorder import GraphRecorder, shared_recorder
 from xform.transforms.cudagraphs.regions import SAFE, RegionPlan, plan_regions
 from xform.transforms.cudagraphs.replay import GraphedFunction
@@ -158,7 +158,7 @@ class CudaGraphs(Transform):
             record.skipped(f"{node_break.op} (node {node_break.node})" + (f" at {node_break.source}" if node_break.source
                                                                            else ""),
                            f"{node_break.reason}. Fix: {node_break.fix}")
-        plan = plan_regions(graph.gm, set(breaks), self.min_region_ops)
+        plan = plan_regions(graph.gm, set(breaks) | host_numbers(graph.gm), self.min_region_ops)
         for index, region in enumerate(plan.regions):
             if region.why_plain:
                 record.skipped(f"region {index} ({region.op_count} ops)", region.why_plain)
