@@ -6,9 +6,10 @@
 #   4: bench/hf.py at batch 1 and 8 (reduce-overhead, xform-float8-dynamic)
 #   5: the short of 3 and 4 in one call: bf16 against xform's set per training model, then batch 1
 #   6: bench/hf_train.py, the sliding-window pair then the Llama pair (what fits in a short call)
+#   s: bench/hf.py --model sliding at batch 1 (reduce-overhead, xform): the sliding-window cache's decode
 #   h: tests/test_hf_attention_gpu.py (flex-attention on Hugging Face families), measured SQNRs in its junit XML
 #   t: the GPU tests alone
-# Everything it writes goes under $OUT. Usage on the device: bash bench/device_session.sh 1|2|3|4|5|6|h|t
+# Everything it writes goes under $OUT. Usage on the device: bash bench/device_session.sh 1|2|3|4|5|6|s|h|t
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -35,8 +36,10 @@ case "$1" in
        | tee "$OUT/hf5.log" ;;
   6) timeout 225 python3 bench/hf_train.py --repeats 5 --out "$OUT" \
        --only sliding:inductor,sliding:xform-flex,llama:inductor,llama:xform-float8-rowwise 2>&1 | tee "$OUT/train.log" ;;
+  s) timeout 400 python3 bench/hf.py --model sliding --only reduce-overhead,xform --batches 1 --repeats 3 --out "$OUT" 2>&1 \
+       | tee "$OUT/hf_sliding.log" ;;
   h) timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hf_attention_gpu.py \
        --junitxml "$OUT/hf_attention_gpu.xml" 2>&1 | tail -40 | tee "$OUT/hf_attention_gpu.log" ;;
   t) gpu_tests 280 ;;
-  *) echo "usage: bash bench/device_session.sh 1|2|3|4|5|6|h|t" >&2; exit 2 ;;
+  *) echo "usage: bash bench/device_session.sh 1|2|3|4|5|6|s|h|t" >&2; exit 2 ;;
 esac

@@ -2,8 +2,10 @@
 `mode="reduce-overhead"` (Hugging Face's default when it compiles) and torchao by hand.
 
 A Llama of 16 layers, dim 2048, 32 query / 8 KV heads, FFN 8192, vocabulary 128256, random weights
-in bf16 (built from its config: nothing is downloaded); a 64-token prompt, 128 new tokens (no early
-stop), greedy. Each configuration runs in a process of its own: two untimed `generate()` calls (the
+in bf16 (built from its config: nothing is downloaded); `--model sliding`: a Mistral of the same
+widths with a sliding window of 128, shorter than the 192 tokens generated, so its cache rolls (its
+length is a Python int Dynamo makes dynamic). A 64-token prompt, 128 new tokens (no early stop),
+greedy. Each configuration runs in a process of its own: two untimed `generate()` calls (the
 first compiles), then the median of `--repeats` timed ones; tokens/s counts new tokens over the
 whole call (prefill included), and peak reserved memory covers the timed calls.
 
@@ -21,6 +23,7 @@ Configurations (`--only` takes a comma-separated list of them, or of batch sizes
     python bench/hf.py [--out DIR] [--only xform,reduce-overhead] [--batches 1,8]   # needs a CUDA GPU
     python bench/hf.py --one xform:1                                                 # one, prints its JSON
     python bench/hf.py --size tiny --only eager,xform --batches 1 --repeats 1        # a check, on the CPU too
+    python bench/hf.py --model sliding --only reduce-overhead,xform                  # the sliding-window cache
 """
 
 from __future__ import annotations
@@ -52,13 +55,21 @@ SIZES = {"bench": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size
                   "num_attention_heads": 4, "num_key_value_heads": 2}}
 
 
-def llama(size: str, device: str) -> torch.nn.Module:
+MODELS = ("llama", "sliding")
+WINDOW = 128  # the sliding model's window: the cache rolls over after 128 of the 192 tokens
+
+
+def decoder(model: str, size: str, device: str) -> torch.nn.Module:
     import transformers
 
-    config = transformers.LlamaConfig(**SIZES[size], max_position_embeddings=4096, attn_implementation="sdpa")
+    common = {**SIZES[size], "max_position_embeddings": 4096, "attn_implementation": "sdpa"}
+    if model == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:
+        config, cls = transformers.MistralConfig(**common, sliding_window=WINDOW), transformers.MistralForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        return cls(config).to(torch.bfloat16).eval()
 
 
 def register_xform() -> None:
@@ -89,9 +100,9 @@ def xform_summary(model: torch.nn.Module) -> dict[str, Any]:
             **{f"{n} skips": sorted({s.reason[:160] for s in report.skips(n)}) for n in names}}
 
 
-def generate_run(config: str, batch: int, repeats: int, size: str = "bench") -> dict[str, Any]:
+def generate_run(config: str, batch: int, repeats: int, size: str = "bench", model_name: str = "llama") -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = llama(size, device)
+    model = decoder(model_name, size, device)
     if config == "eager":
         model.generation_config.disable_compile = True
     if config == "torchao-float8-ro":
@@ -108,7 +119,7 @@ def generate_run(config: str, batch: int, repeats: int, size: str = "bench") -> 
         first, times, out = first_then_timed(lambda: model.generate(ids, **kwargs), 1, repeats)
     assert out.shape == (batch, PROMPT + NEW_TOKENS), out.shape
     seconds = statistics.median(times)
-    row = {"config": config, "batch": batch, "s_per_generate": round(seconds, 4),
+    row = {"model": model_name, "config": config, "batch": batch, "s_per_generate": round(seconds, 4),
            "tokens_per_s": round(batch * NEW_TOKENS / seconds, 1), "first_generate_s": round(first, 1),
            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3) if device == "cuda" else None,
            "runs_s": [round(t, 4) for t in times]}
@@ -144,10 +155,11 @@ def arguments(doc: str, one: str, only: str, repeats: int, timed: str) -> argpar
 def main() -> None:
     parser = arguments(__doc__, "config:batch", "configurations", 3, "generate() calls")
     parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
+    parser.add_argument("--model", choices=MODELS, default="llama", help="llama (default), or sliding (a Mistral)")
     args = parser.parse_args()
     if args.one:
         config, batch = args.one.rsplit(":", 1)
-        print(json.dumps(generate_run(config, int(batch), args.repeats, args.size)))
+        print(json.dumps(generate_run(config, int(batch), args.repeats, args.size, args.model)))
         return
     if not torch.cuda.is_available() and args.size == "bench":
         sys.exit("bench/hf.py needs a CUDA GPU (--size tiny runs on the CPU)")
@@ -159,8 +171,9 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         for config in configs:
             rows.append(run_in_process(__file__, f"{config}:{batch}", "--repeats", str(args.repeats),
-                                       "--size", args.size))
-            write_result("hf_generate", rows, args.out, summary=summarize([r for r in rows if "batch" in r]))
+                                       "--size", args.size, "--model", args.model))
+            write_result("hf_generate" if args.model == "llama" else f"hf_generate_{args.model}", rows, args.out,
+                         summary=summarize([r for r in rows if "batch" in r]))
     print_table(summarize([r for r in rows if "batch" in r]), ["batch", "config", "s", "tokens/s", "/ reduce-overhead",
                                                                "peak GiB", "first s"])
 

@@ -5,6 +5,7 @@ test_hf_models.py and the conformance suite (test_conformance.py).
 Every family: hidden size 64, 2 layers, 4 heads, vocabulary 128, sequences of 16, dropout off (so
 that eager and compiled training compute the same thing). What each brings: Mistral a sliding
 window (8) shorter than the sequence; Gemma 2 a soft-cap and alternating sliding-window layers;
+Gemma 3 alternating sliding and full layers under SDPA, with its own score scale;
 Mixtral experts (4, two a token); GPT-2 Conv1D layers and a tied head; BERT an encoder (masked LM,
 tied head); T5 an encoder-decoder with a relative position bias; ViT images (32x32, patches of 8).
 """
@@ -47,6 +48,15 @@ def gemma2(attention: str = "eager") -> torch.nn.Module:
                                                                     attn_implementation=attention))
 
 
+def gemma3(attention: str = "sdpa") -> torch.nn.Module:
+    """Layers alternating a sliding window of 8 and full attention (two kinds of cache layer in
+    generate()), q and k normalized per head, scores scaled by query_pre_attn_scalar ** -0.5 (256),
+    not by the head dim's."""
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **_DECODER, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        attn_implementation=attention))
+
+
 def mixtral(attention: str = "sdpa") -> torch.nn.Module:
     """Four experts, two a token."""
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -82,9 +92,9 @@ def vit(attention: str = "sdpa") -> torch.nn.Module:
 
 
 FAMILIES: dict[str, Callable[..., torch.nn.Module]] = {
-    "llama": llama, "mistral": mistral, "qwen2": qwen2, "gemma2": gemma2, "mixtral": mixtral, "gpt2": gpt2,
-    "bert": bert, "t5": t5, "vit": vit}
-GENERATING = ("llama", "mistral", "qwen2", "gemma2", "mixtral", "gpt2", "t5")  # the families that generate() text
+    "llama": llama, "mistral": mistral, "qwen2": qwen2, "gemma2": gemma2, "gemma3": gemma3, "mixtral": mixtral,
+    "gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit}
+GENERATING = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "mixtral", "gpt2", "t5")  # the families that generate() text
 
 
 def batch(family: str, train: bool, padded: bool = False) -> dict[str, torch.Tensor]:
@@ -182,6 +192,7 @@ def weight_skips(family: str) -> dict[str, tuple[str, str]]:
         return {**{f"model.layers.{i}.mlp.gate": (router("MixtralTopKRouter"), "") for i in layers},
                 **{f"model.layers.{i}.mlp.experts.{w}": EXPERTS for i in layers for w in ("gate_up_proj", "down_proj")}}
     heads = {"gemma2": ("lm_head", "model.embed_tokens", "Gemma2TextScaledWordEmbedding"),
+             "gemma3": ("lm_head", "model.embed_tokens", "Gemma3TextScaledWordEmbedding"),
              "bert": ("cls.predictions.decoder", "bert.embeddings.word_embeddings", "Embedding"),
              "t5": ("lm_head", "encoder.embed_tokens", "Embedding")}
     if family in heads:

@@ -40,3 +40,15 @@ def test_bench_hf_train_runs_its_configurations_and_writes_the_report_in_numbers
     summary = result["rows"][1]["xform"]  # 15 modules swapped, and one entry for the 15 calls rewritten
     assert summary["graphs"] >= 1 and not summary["failures"] and summary["quantize changes"] == 2 * 7 + 1 + 1
     assert [row["x inductor"] is not None for row in result["summary"]] == [True, True]
+
+
+@pytest.mark.slow
+def test_bench_hf_builds_the_sliding_window_model_and_files_its_rows_apart(tmp_path):
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, "bench/hf.py", "--model", "sliding", "--size", "tiny", "--only", "xform",
+                           "--batches", "1", "--repeats", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "hf_generate_sliding.json").read_text())["rows"]
+    assert (row["model"], row["config"], row["batch"]) == ("sliding", "xform", 1) and row["tokens_per_s"] > 0
+    assert not row["xform"]["failures"]

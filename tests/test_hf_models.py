@@ -1,7 +1,7 @@
 """Models nobody here wrote: Hugging Face transformers' Llama, Mistral and GPT-2 (and Gemma 2 and
 Whisper for the cases they bring: a soft-cap, an encoder-decoder), at small sizes with random weights
 (built from their configs, hf_families.py: nothing is downloaded), compiled with each transform and
-compared with the same model run eagerly. test_conformance.py takes nine families through every
+compared with the same model run eagerly. test_conformance.py takes ten families through every
 transform and pair.
 
 Tolerances, as the SQNR (dB) of the compiled model's logits, and of each parameter's gradient for

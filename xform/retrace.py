@@ -14,6 +14,7 @@ must follow) is handed to it as an `EarlierTrace`.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,18 +32,24 @@ class EarlierTrace:
     failures: list[TransformRecord] = field(default_factory=list)  # the transforms dropped for this graph
 
 
-_handed_over: dict[str, EarlierTrace] = {}  # by Dynamo's compile id, which a retrace keeps
+_handed_over = threading.local()  # per compiling thread: (Dynamo's compile id, which a retrace keeps; the trace)
 
 
 def hand_over(graph_id: str, trace: EarlierTrace) -> None:
     """Keep what a trace of graph `graph_id` did for the retrace Dynamo is asked for (a backend made
-    per call, as `backend="xform"` is, is another object on the retrace)."""
-    _handed_over[graph_id] = trace
+    per call, as `backend="xform"` is, is another object on the retrace). The retrace follows at
+    once in the same thread, so one is kept a thread: a retrace that never reached the backend (it
+    raised) leaves no full-precision weights held by its undo actions beyond the next."""
+    _handed_over.pending = (graph_id, trace)
 
 
 def taken_over(graph_id: str) -> EarlierTrace:
     """What an earlier trace of graph `graph_id` handed over (nothing, for a first trace)."""
-    return _handed_over.pop(graph_id, EarlierTrace())
+    pending = getattr(_handed_over, "pending", None)
+    if pending is None or pending[0] != graph_id:
+        return EarlierTrace()
+    _handed_over.pending = None
+    return pending[1]
 
 
 class ParametersRetyped(Exception):
