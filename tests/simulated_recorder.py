@@ -11,7 +11,7 @@ memory) is in test_cudagraphs_gpu.py.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -45,7 +45,8 @@ class SimulatedRecorder:
         self.recorded = 0
         self.pool: list[torch.Tensor] = []  # every recording's input and output buffers
 
-    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded:
+    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int],
+               kept: Sequence[int] = ()) -> Recorded:
         if self.fail is not None:
             raise self.fail
         self.recorded += 1
@@ -70,9 +71,9 @@ class SimulatedRecorder:
 
         # a capture runs nothing: what the eager run writes into the caller's tensors is put back
         # (into those still alive after it: the run frees the inputs it consumes)
-        kept = [(t, t.clone(), refs[i]) for i, t in enumerate(static) if i not in copied and isinstance(t, torch.Tensor)]
+        restore = [(t, t.clone(), refs[i]) for i, t in enumerate(static) if i not in copied and isinstance(t, torch.Tensor)]
         outputs = run(handed)
-        for t, before, alive in kept:
+        for t, before, alive in restore:
             if not alive.expired():
                 _write(t, before)
         mine = made(outputs)
@@ -83,13 +84,15 @@ class SimulatedRecorder:
         # input the run consumed was freed during it)
         live = [(start, end) for start, end, owned in handouts.alive() if owned]
         writable = [t for t in self.pool if not any(start <= _address(t) < end for start, end in live)]
-        written = {_address(t) for t in own_inputs}
+        # a copied input's buffer is the graph's to reuse after its last read, as the real allocator
+        # may (Inductor frees an input after its last use): only the kept ones hold their values
+        held = {_address(static[i]) for i in kept}
 
         def replay() -> None:
             # the graph reads its inputs before anything overwrites them
             fresh = made(run(list(static)))
             for t in writable:
-                if _address(t) not in written:
+                if _address(t) not in held:
                     _scribble(t)
             for out, new in zip(mine, fresh):
                 _write(out, new)

@@ -288,3 +288,26 @@ def test_code_reading_a_weights_dtype_sees_the_cast_dtype_from_the_first_call(ha
     for x, out in zip(inputs, outputs):
         torch.testing.assert_close(out, model(x), rtol=0, atol=0)
     assert [c.target for c in xform.report(model).changes("cast")] == ["wi", "wo"]
+
+
+class BreaksOnTheNewDtype(ReadsTheWeightsDtype):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.wi(x))
+        if self.wo.weight.dtype != h.dtype:
+            torch._dynamo.graph_break()
+            h = h.to(self.wo.weight.dtype)
+        return self.wo(h)
+
+
+def test_a_retrace_that_never_reaches_the_backend_is_undone_at_the_next_compile():
+    """With fullgraph=True the retrace raises Dynamo's error at the graph break on the bf16 branch;
+    the changes its trace handed over are undone by the next compile, whose report is its own."""
+    model, other = BreaksOnTheNewDtype(), mlp()
+    weights = list(model.parameters())
+    with pytest.raises(Exception, match="graph_break"):
+        torch.compile(model, backend=xform.Backend(["cast:bf16"], handoff="eager"), fullgraph=True)(torch.randn(2, 8))
+    torch._dynamo.reset()  # compile ids start again at 0/0
+    xform.compile(other, "cast:bf16", handoff="eager")(torch.randn(2, 16))
+
+    assert all(a is b for a, b in zip(model.parameters(), weights))
+    assert [c.target for c in xform.report(other).changes("cast")] == ["0", "2"]

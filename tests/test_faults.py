@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import xform
+from xform.transforms import Cast
 from models import mlp
 from test_transform_protocol import Broken
 
@@ -186,18 +187,47 @@ def test_a_failure_in_torch_names_xforms_line_not_the_torch_package_passing_the_
                         r"from xform/transforms/quantize/probe\.py:\d+ in blockwise_sqnr", raised_at(raised.value))
 
 
-def test_a_transform_failing_after_a_cast_was_traced_again_leaves_the_cast_alone():
+def test_a_transform_failing_after_a_cast_was_traced_again_leaves_the_cast_alone(monkeypatch):
     """cast changes the weights' dtype, so the frame is traced again from the cast model; a later
-    transform failing there undoes the cast too (the graph was traced from the cast weights), and
-    the frame is traced once more with cast alone."""
+    transform failing there is dropped as any is, the cast kept, and no third trace is needed."""
     model, alone = mlp(), mlp()
     alone.load_state_dict(model.state_dict())
     x = torch.randn(2, 16)
+    traces = []
+    call = xform.Backend.__call__
+    monkeypatch.setattr(xform.Backend, "__call__", lambda self, gm, inputs: (traces.append(1), call(self, gm, inputs))[1])
 
     with pytest.warns(xform.faults.TransformDropped, match="'broken'"):
         out = xform.compile(model, "cast:bf16", Broken(), handoff="eager")(x)
 
+    assert len(traces) == 2
     assert [f[0] for f in xform.report(model).failures()] == ["broken"]
     assert [c.target for c in xform.report(model).changes("cast")] == ["0", "2"]
     assert model[0].weight.dtype == torch.bfloat16
     torch.testing.assert_close(out, xform.compile(alone, "cast:bf16", handoff="eager")(x), rtol=0, atol=0)
+
+
+class CastsThenFails(Cast):
+    """Casts (so the frame is traced again), then fails in its graph hook on the retrace."""
+
+    name = "casts-then-fails"
+
+    def transform_graph(self, graph, record):
+        raise RuntimeError("bug after the cast")
+
+
+def test_the_transform_that_asked_for_the_retrace_failing_is_undone_and_traced_once_more(monkeypatch):
+    model = mlp()
+    weights, x = list(model.parameters()), torch.randn(2, 16)
+    expected = model(x)
+    traces = []
+    call = xform.Backend.__call__
+    monkeypatch.setattr(xform.Backend, "__call__", lambda self, gm, inputs: (traces.append(1), call(self, gm, inputs))[1])
+
+    with pytest.warns(xform.faults.TransformDropped, match="'casts-then-fails'"):
+        out = xform.compile(model, CastsThenFails(), handoff="eager")(x)
+
+    assert len(traces) == 3  # cast, the retrace where it fails, the trace of the model put back
+    assert all(a is b for a, b in zip(model.parameters(), weights))
+    assert [f[0] for f in xform.report(model).failures()] == ["casts-then-fails"]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

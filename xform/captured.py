@@ -80,6 +80,7 @@ class CapturedGraph:
         # function of the call's own inputs giving a tuple of tensors (`add_derived_inputs`)
         self.added_inputs: list[torch.Tensor | DerivedInputs] = []
         self._undo: list[Callable[[], None]] = []  # how to take back what was done to the model
+        self._inherited = 0  # how many of those an earlier trace of the frame made (`inherit`)
         self.replacements: list[Replacement] = []  # the parameters replaced in the model, for its optimizers
         self._after_compile: list[Callable[[], None]] = []  # what `release` puts back in Dynamo's records
         self._parameter_names: dict[int, list[str]] | None = None  # id(parameter) -> its names (`names_of`)
@@ -283,16 +284,19 @@ class CapturedGraph:
         undone with this graph's own if its compile fails, and followed by the optimizers."""
         self._undo[:0] = undo
         self.replacements[:0] = replacements
+        self._inherited = len(undo)
 
     def take_undo(self) -> list[Callable[[], None]]:
         """The undo actions registered so far, oldest first, handed over (this graph keeps none)."""
-        undo, self._undo = self._undo, []
+        undo, self._undo, self._inherited = self._undo, [], 0
         return undo
 
-    def undo_model_changes(self) -> None:
-        """Take back, newest first, every change made to the model through this graph."""
-        while self._undo:
+    def undo_model_changes(self, keep_inherited: bool = False) -> None:
+        """Take back, newest first, every change made to the model through this graph (but for
+        `keep_inherited`, those an earlier trace of the frame made)."""
+        while len(self._undo) > (self._inherited if keep_inherited else 0):
             self._undo.pop()()
+        self._inherited = min(self._inherited, len(self._undo))
 
     def install_guards(self) -> list[GuardChange]:
         """Make Dynamo guard the transformed model; returns the tensor changes installed."""

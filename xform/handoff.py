@@ -141,9 +141,18 @@ def _mixes_subclass_kinds(inputs: Sequence[Any]) -> bool:
     graph with `__torch_function__` disabled, so as not to apply the first one's twice, which also
     skips the wrapper's own linear (torchao's Float8Tensor then fails on `aten.addmm`); AOTAutograd
     runs the wrapper's ops as it defines them."""
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter)]
-    wrappers = [t for t in tensors if is_traceable_wrapper_subclass(t)]
-    return bool(wrappers) and len(wrappers) < len(tensors)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    return (any(map(is_traceable_wrapper_subclass, tensors))
+            and any(_overrides_torch_function(t) and not is_traceable_wrapper_subclass(t) for t in tensors))
+
+
+def _overrides_torch_function(t: torch.Tensor) -> bool:
+    method = type(t).__torch_function__
+    return getattr(method, "__func__", method) not in _PLAIN_TORCH_FUNCTIONS
+
+
+# torch.Tensor's own `__torch_function__`, and nn.Parameter's (which disables it)
+_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__, nn.Parameter.__torch_function__)
 
 
 class ThunderHandoff:

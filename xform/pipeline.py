@@ -8,6 +8,7 @@ the frame's guards only then, so they describe the transformed model.
 
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -23,7 +24,7 @@ from xform.log import logger
 from xform.optimizers import retarget_optimizers
 from xform.registry import resolve
 from xform.report import GraphRecord, TransformRecord
-from xform.retrace import EarlierTrace, ParametersRetyped, hand_over, retyped, taken_over
+from xform.retrace import EarlierTrace, ParametersRetyped, hand_over, retrace_key, retyped, taken_over
 from xform.transform import Transform
 
 PARAMETERS_NOT_INPUTS = (
@@ -93,23 +94,24 @@ class Pipeline:
         A transform that gives parameters another dtype has Dynamo trace the frame again
         (`xform.retrace`); what this trace did is kept for the next (`EarlierTrace`).
         """
-        earlier = taken_over(record.graph)
+        graph = make_graph()
+        key = retrace_key(record.graph, graph)
+        earlier = taken_over(key)
         failures = list(earlier.failures)
         active = [t for t in self.transforms if t.name not in {f.transform for f in failures}]
         while True:
-            graph = make_graph()
             graph.inherit(earlier.undo, earlier.replacements)
             try:
                 compiled = self._run_once(graph, active, record, earlier.records)
             except ParametersRetyped as changed:
-                hand_over(record.graph, EarlierTrace(changed.records, graph.take_undo(), graph.replacements, failures))
+                hand_over(key, EarlierTrace(changed.records, graph.take_undo(), graph.replacements, failures))
                 frame = graph.frame
                 graph.release()  # the model keeps its changes: the next trace is to see them
                 raise retrace(frame, str(changed)) from None
             except Exception as error:
-                graph.undo_model_changes()  # whatever happens next, the model is as the user left it
                 failure = transform_failure(error)
                 if failure is None or strict():
+                    graph.undo_model_changes()  # the model as the user left it
                     raise
                 warn_dropped([*graph.root_modules(), *([graph.code] if graph.code is not None else [])], failure)
                 failed = TransformRecord(failure.transform.name)
@@ -117,10 +119,14 @@ class Pipeline:
                               f"(XFORM_STRICT=1 raises instead)")
                 failures.append(failed)
                 active = [t for t in active if t is not failure.transform]
-                if earlier.undo:  # traced after changes now undone: trace the model as it is again
-                    hand_over(record.graph, EarlierTrace(failures=failures))
+                if any(r.by == failure.transform.name for r in earlier.replacements):
+                    # this trace saw the model as the failed transform changed it: undone, trace it again
+                    graph.undo_model_changes()
+                    hand_over(key, EarlierTrace(failures=failures))
                     raise retrace(graph.frame, f"xform: transform {failure.transform.name!r} failed; its changes "
                                                f"to the model were undone") from error
+                graph.undo_model_changes(keep_inherited=True)
+                graph = make_graph()
                 continue
             record.transforms += failures
             graph.release()
@@ -128,7 +134,8 @@ class Pipeline:
 
     def _run_once(self, graph: CapturedGraph, transforms: list[Transform], record: GraphRecord,
                   earlier: dict[str, TransformRecord]) -> Callable[..., Any]:
-        records = {t.name: earlier.get(t.name) or TransformRecord(t.name) for t in transforms}
+        records = {t.name: copy.deepcopy(earlier[t.name]) if t.name in earlier else TransformRecord(t.name)
+                   for t in transforms}
         record.transforms = list(records.values())
 
         def using(hook: str) -> list[Transform]:

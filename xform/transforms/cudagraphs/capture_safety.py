@@ -2,10 +2,11 @@
 
 A CUDA graph records GPU work once and replays it with the same memory addresses and sizes. A node
 breaks that when it needs the host (a GPU value read into Python, a CPU tensor), when its sizes are
-not fixed (dynamic or data-dependent shapes), when replaying it would not do what running it does
-(a user-supplied RNG generator), or when its author marked it unsafe (`torch.Tag.cudagraph_unsafe`). Each check is a
-small function of one node; the first that objects gives the node's `CaptureBreak`, in words a
-user can act on: the node, the line of the user's code it came from, the reason and the fix.
+not fixed (dynamic or data-dependent shapes), when replaying it would not do what running it does (a
+user-supplied RNG generator), or when its author marked it unsafe (`torch.Tag.cudagraph_unsafe`).
+Each check is a small function of one node; the first that objects gives the node's `CaptureBreak`,
+in words a user can act on: the node, the line of the user's code it came from, the reason and the
+fix.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import contextlib
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -34,15 +34,18 @@ class Recorded:
 
 
 class GraphRecorder(Protocol):
-    """How graphs are recorded on a device: `record(run, inputs, copied)` records `run(inputs)`
-    with the inputs at positions `copied` replaced by buffers of the recorder's pool. It takes
-    `inputs` over (empties it) and hands `run` a list no one else holds, so that the inputs the
-    region consumes are freed during the recording, as in a plain run; `Recorded.writes` may be
-    the whole pool (the caller takes out what outlived the recording)."""
+    """How graphs are recorded on a device: `record(run, inputs, copied, kept)` records
+    `run(inputs)` with the inputs at positions `copied` replaced by buffers of the recorder's pool.
+    It takes `inputs` over (empties it) and hands `run` a list no one else holds, so that the inputs
+    the region consumes are freed during the recording, as in a plain run, and their memory reused;
+    but the buffers of `kept` (inputs the graph writes, which the caller copies back after each
+    replay) are held throughout. `Recorded.writes` may be the whole pool (the caller takes out what
+    outlived the recording)."""
 
     device_type: str
 
-    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded: ...
+    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int],
+               kept: Sequence[int] = ()) -> Recorded: ...
 
     def warm_up(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> list[Any]:
         """`run(inputs)`, uncaptured, with what it allocates in the recorder's pool (`run` takes
@@ -150,7 +153,8 @@ class CudaGraphRecorder:
         torch.cuda.current_stream().wait_stream(self._stream)
         return outputs
 
-    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int]) -> Recorded:
+    def record(self, run: Callable[[list[Any]], list[Any]], inputs: list[Any], copied: list[int],
+               kept: Sequence[int] = ()) -> Recorded:
         graph = torch.cuda.CUDAGraph()
         static = list(inputs)
         inputs.clear()  # `run` takes the list over: what the region consumes is freed as it goes
@@ -160,7 +164,7 @@ class CudaGraphRecorder:
                 for i in copied:  # allocated in the pool; no work recorded
                     static[i] = torch.empty_strided(static[i].shape, static[i].stride(), dtype=static[i].dtype,
                                                     device=static[i].device)
-                buffers = [unowned_view(static[i]) for i in copied]
+                buffers = [static[i] if i in kept else unowned_view(static[i]) for i in copied]
                 outputs = run(static)
         except Exception:
             self._recover()

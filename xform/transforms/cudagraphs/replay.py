@@ -13,20 +13,20 @@ outputs (a list of logits, accumulated gradients), at the price of one copy each
 `stale_outputs="error"` the live outputs in the way are invalidated instead, as CUDA Graph Trees
 do: nothing is copied, and reading one raises an error that says to clone it.
 
-Inputs: parameters and buffers have stable addresses and are read in place, and so are outputs of
-an earlier recording that are alive in the pool when this one records (a forward's saved
-activations, read by its backward; a layer's output, read by the next layer's graph): the
-allocator keeps those blocks out of this recording's ranges. So is any other input found where the
-layer's first call found it (a buffer the caller fills again, a gradient the allocator places alike
-each step): no static copy of it in the pool, no copy per replay. Once one is found elsewhere, the
-next recording copies the inputs in, and those it writes (an output buffer, a cache the caller
-allocated) are copied back into the caller's tensors after each replay. A replay first checks its signature: the addresses of the
-in-place inputs and the sizes, strides and dtypes of the copied ones and of the other inputs read
-in place (and the values of numbers). A new signature records a new graph: one
-compiled function may serve many signatures (Dynamo compiles a layer's code once for all the
-layers, each with its own parameters), up to `max_signatures`, beyond which calls run the compiled
-function uncaptured. A recording that fails leaves the region uncaptured for good; the report says
-why. Each step still completes.
+Inputs: parameters and buffers have stable addresses and are read in place, and so are outputs of an
+earlier recording that are alive in the pool when this one records (a forward's saved activations,
+read by its backward; a layer's output, read by the next layer's graph): the allocator keeps those
+blocks out of this recording's ranges. So is any other input found where the layer's first call
+found it (a buffer the caller fills again, a gradient the allocator places alike each step): no
+static copy of it in the pool, no copy per replay. Once one is found elsewhere, the next recording
+copies the inputs in, and those it writes (an output buffer, a cache the caller allocated) are
+copied back into the caller's tensors after each replay. A replay first checks its signature: the
+addresses of the in-place inputs and the sizes, strides and dtypes of the copied ones and of the
+other inputs read in place (and the values of numbers). A new signature records a new graph: one
+compiled function may serve many signatures (Dynamo compiles a layer's code once for all the layers,
+each with its own parameters), up to `max_signatures`, beyond which calls run the compiled function
+uncaptured. A recording that fails leaves the region uncaptured for good; the report says why. Each
+step still completes.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class ReplayStats:
     uncaptured_calls: int = 0  # after the warm-up: calls run without a graph (too many signatures, or failed)
     fallback: str | None = None  # why the region runs uncaptured for good
     moved_bytes: int = 0  # outputs still alive where a replay writes, copied out of its way
-    copied_in_bytes: int = 0  # inputs copied into the pool (not module state, in the pool or steady), back if written
+    copied_in_bytes: int = 0  # inputs copied into the pool before replays (not module state, in the pool or steady)
+    copied_back_bytes: int = 0  # of those, the ones the graph writes, copied back into the caller's tensors after
     stuck: int = 0  # live outputs in the way that could not be moved (torch < 2.13): calls run uncaptured
     invalidated: int = 0  # live outputs in the way invalidated (stale_outputs="error"): reading one raises
     events: list[str] = field(default_factory=list)
@@ -137,7 +138,7 @@ class _Recording:
         self.copy_back = [(k, i) for k, i in enumerate(copy_idxs) if i in written]
         self.consumed = consumed  # in-place inputs the recording freed: the graph may write over them
         self.replay, self.inputs, self.writes = recorded.replay, recorded.inputs, writes
-        self.copied_bytes = sum(t.numel() * t.element_size() for t in self.inputs)
+        self.copied_bytes = sum(t.nbytes for t in self.inputs)
         first = {s.group: out for s, out in zip(specs, recorded.outputs) if s.group is not None}
         self._owned: list[torch.UntypedStorage] | None = [first[g].untyped_storage() for g in range(groups)]
         self._storages = [unowned(storage) for storage in self._owned]  # address, size, device of each
@@ -162,7 +163,7 @@ class _Recording:
         self.replay()
         if self.copy_back:
             dispatch.foreach_copy_([args[i] for _, i in self.copy_back], [self.inputs[k] for k, _ in self.copy_back])
-            stats.copied_in_bytes += sum(self.inputs[k].nbytes for k, _ in self.copy_back)
+            stats.copied_back_bytes += sum(self.inputs[k].nbytes for k, _ in self.copy_back)
         if self._owned is not None:  # the first replay: the recording's own allocations
             storages, self._owned = self._owned, None
             for storage in storages:
@@ -407,7 +408,8 @@ class GraphedFunction:
             return produced
 
         try:
-            recorded = self._recorder.record(run, _hand_over(args, consumable), copy_idxs)
+            recorded = self._recorder.record(run, _hand_over(args, consumable), copy_idxs,
+                                             kept=[i for i in copy_idxs if i in self._written])
         except Exception as error:
             if strict():
                 raise
