@@ -602,6 +602,25 @@ def _functions_of(transform):
     return [f.stats for f in transform.functions]
 
 
+def _written_in_place_five_times(handoff: str, mark: bool):
+    """Counter's step called five times on one `out` (marked with mark_static_address or not): written
+    in place by one recording, nothing copied. Returns the step, the transform, x and out."""
+    model, transform = Counter(), CudaGraphs(min_region_ops=1)
+    step = compiled(model, transform, handoff=handoff)
+    x, out = torch.randn(4), torch.zeros(4)
+    if mark:
+        torch._dynamo.mark_static_address(out)
+    with torch.no_grad():
+        for call in range(1, 6):
+            result = step(x, out)
+            torch.testing.assert_close(out, x.sin() * call)
+            torch.testing.assert_close(result, out.cos().exp().relu())
+    assert not xform.report(model).skips("cudagraphs")
+    (stats,) = _functions_of(transform)
+    assert stats.recordings == 1 and stats.replays >= 2 and stats.copied_in_bytes == 0
+    return step, transform, x, out
+
+
 @pytest.mark.parametrize("handoff", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_an_argument_written_in_place_is_recorded_and_the_callers_tensor_written(recorder, handoff):
     """Unmarked, an argument the step writes is read and written in place while the caller passes the
@@ -610,17 +629,8 @@ def test_an_argument_written_in_place_is_recorded_and_the_callers_tensor_written
     copied input's memory is otherwise reused after its last read: the simulated recorder scribbles
     over those): written every time, never a stale copy, and no recording per call. (Before, the
     write was a break and the copy ran outside the graphs.)"""
-    model, transform = Counter(), CudaGraphs(min_region_ops=1)
-    step = compiled(model, transform, handoff=handoff)
-    x, out = torch.randn(4), torch.zeros(4)
+    step, transform, x, out = _written_in_place_five_times(handoff, mark=False)
     with torch.no_grad():
-        for call in range(1, 6):
-            result = step(x, out)
-            torch.testing.assert_close(out, x.sin() * call)
-            torch.testing.assert_close(result, out.cos().exp().relu())
-        assert not xform.report(model).skips("cudagraphs")
-        (stats,) = _functions_of(transform)
-        assert stats.recordings == 1 and stats.replays >= 2 and stats.copied_in_bytes == 0
         for call in range(6, 12):  # a new tensor each call
             fresh = torch.full((4,), -1.0)
             result = step(x, fresh)
@@ -628,6 +638,7 @@ def test_an_argument_written_in_place_is_recorded_and_the_callers_tensor_written
             torch.testing.assert_close(result, fresh.cos().exp().relu())
         step(x, out)
         torch.testing.assert_close(out, x.sin() * 12)
+    (stats,) = _functions_of(transform)
     assert stats.recordings == 2 and stats.copied_in_bytes > 0 and stats.uncaptured_calls == 0
     # under Inductor the write is in the recorded graph; eagerly AOTAutograd writes it back after the call
     assert (stats.copied_back_bytes > 0) == (handoff == "inductor")
@@ -638,18 +649,8 @@ def test_an_argument_marked_static_is_written_in_place_and_a_moved_one_still_wri
     """Marked with mark_static_address, the argument is recorded in place, as a buffer is: the replays
     write the caller's tensor itself; another tensor there is recorded for, or runs uncaptured, and
     is written all the same, never a stale copy."""
-    model, transform = Counter(), CudaGraphs(min_region_ops=1)
-    step = compiled(model, transform, handoff=handoff)
-    x, out = torch.randn(4), torch.zeros(4)
-    torch._dynamo.mark_static_address(out)
+    step, transform, x, out = _written_in_place_five_times(handoff, mark=True)
     with torch.no_grad():
-        for call in range(1, 6):
-            result = step(x, out)
-            torch.testing.assert_close(out, x.sin() * call)
-            torch.testing.assert_close(result, out.cos().exp().relu())
-        assert not xform.report(model).skips("cudagraphs")
-        (stats,) = _functions_of(transform)
-        assert stats.recordings == 1 and stats.replays >= 2 and stats.copied_in_bytes == 0
         for call in range(6, 9):  # another tensor, then the first again: each written, never a stale copy
             other = torch.full((4,), -1.0)
             torch._dynamo.mark_static_address(other)
