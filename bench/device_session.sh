@@ -3,7 +3,7 @@
 #   1: the GPU tests, then bench/hf.py at batch 1 (reduce-overhead, xform)
 #   2: bench/hf.py at batch 8 (reduce-overhead, xform, xform-float8)
 #   3: bench/hf_train.py (a training step of a Llama and a sliding-window Mistral, seq 4096)
-#   4: bench/hf.py at batch 1 and 8 (reduce-overhead, xform-float8-dynamic)
+#   4: bench/hf.py at batch 1 and 8 (reduce-overhead, xform-float8-dynamic, torchao's float8-dynamic by hand)
 #   5: the short of 3 and 4 in one call: bf16 against xform's set per training model, then batch 1
 #   6: bench/hf_train.py, the sliding-window pair then the Llama pair (what fits in a short call)
 #   s: bench/hf.py --model sliding at batch 1 (reduce-overhead, xform): the sliding-window cache's decode
@@ -28,7 +28,8 @@ case "$1" in
   2) timeout 560 python3 bench/hf.py --only reduce-overhead,xform,xform-float8 --batches 8 --repeats 3 --out "$OUT/b8" 2>&1 \
        | tee "$OUT/hf2.log" ;;
   3) timeout 560 python3 bench/hf_train.py --out "$OUT" 2>&1 | tee "$OUT/train.log" ;;
-  4) timeout 560 python3 bench/hf.py --only reduce-overhead,xform-float8-dynamic --batches 1,8 --repeats 3 --out "$OUT" 2>&1 \
+  4) timeout 560 python3 bench/hf.py --only reduce-overhead,xform-float8-dynamic,torchao-float8-dynamic-ro --batches 1,8 \
+       --repeats 3 --out "$OUT" 2>&1 \
        | tee "$OUT/hf4.log" ;;
   5) timeout 250 python3 bench/hf_train.py --repeats 5 --out "$OUT" \
        --only llama:inductor,llama:xform-float8-rowwise,sliding:inductor,sliding:xform-flex 2>&1 | tee "$OUT/train.log"

@@ -14,6 +14,7 @@ Configurations (`--only` takes a comma-separated list of them, or of batch sizes
   inductor                   CompileConfig(backend="inductor", mode="default")
   reduce-overhead            CompileConfig(backend="inductor", mode="reduce-overhead")
   torchao-float8-ro          torchao's float8 weight-only by hand (`quantize_`), then reduce-overhead
+  torchao-float8-dynamic-ro  torchao's float8 activations and weights by hand, then reduce-overhead
   xform                      CompileConfig(backend="xform", options={"transforms": ["cudagraphs"]})
   xform-float8               ["quantize:float8-weight-only", "cudagraphs"]
   xform-float8-dynamic       ["quantize:float8-dynamic", "cudagraphs"]: float8 weights and activations
@@ -44,7 +45,8 @@ from bench.common import first_then_timed, print_table, run_in_process, write_re
 TRANSFORMS = {"xform": ["cudagraphs"], "xform-float8": ["quantize:float8-weight-only", "cudagraphs"],
               "xform-float8-dynamic": ["quantize:float8-dynamic", "cudagraphs"],
               "xform-nvfp4": ["quantize:nvfp4-weight-only", "cudagraphs"], "xform-flex": ["flex-attention", "cudagraphs"]}
-CONFIGS = ("eager", "inductor", "reduce-overhead", "torchao-float8-ro", *TRANSFORMS)
+BY_HAND = {"torchao-float8-ro": "float8-weight-only", "torchao-float8-dynamic-ro": "float8-dynamic"}  # xform's recipe names
+CONFIGS = ("eager", "inductor", "reduce-overhead", *BY_HAND, *TRANSFORMS)
 PROMPT, NEW_TOKENS = 64, 128
 
 
@@ -105,14 +107,16 @@ def generate_run(config: str, batch: int, repeats: int, size: str = "bench", mod
     model = decoder(model_name, size, device)
     if config == "eager":
         model.generation_config.disable_compile = True
-    if config == "torchao-float8-ro":
-        from torchao.quantization import Float8WeightOnlyConfig, quantize_
+    if config in BY_HAND:  # torchao's config for the recipe, as xform's quantize builds it
+        from torchao.quantization import quantize_
 
-        quantize_(model, Float8WeightOnlyConfig())
+        from xform.transforms import Quantize
+
+        quantize_(model, Quantize(BY_HAND[config]).check(device).config)
     kwargs: dict[str, Any] = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False,
                               "cache_implementation": "static"}
     if config != "eager":
-        kwargs["compile_config"] = compile_config("reduce-overhead" if config == "torchao-float8-ro" else config)
+        kwargs["compile_config"] = compile_config("reduce-overhead" if config in BY_HAND else config)
         kwargs["compile_config"]._compile_all_devices = device == "cpu"  # generate() compiles on CUDA only otherwise
     ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), device=device)
     with torch.no_grad():

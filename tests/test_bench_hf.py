@@ -44,11 +44,13 @@ def test_bench_hf_train_runs_its_configurations_and_writes_the_report_in_numbers
 
 @pytest.mark.slow
 def test_bench_hf_builds_the_sliding_window_model_and_files_its_rows_apart(tmp_path):
+    """The sliding-window Mistral through xform, and torchao by hand (its config as xform builds it)."""
     pytest.importorskip("transformers")
-    done = subprocess.run([sys.executable, "bench/hf.py", "--model", "sliding", "--size", "tiny", "--only", "xform",
-                           "--batches", "1", "--repeats", "1", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "bench/hf.py", "--model", "sliding", "--size", "tiny", "--only",
+                           "xform,torchao-float8-ro", "--batches", "1", "--repeats", "1", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "hf_generate_sliding.json").read_text())["rows"]
-    assert (row["model"], row["config"], row["batch"]) == ("sliding", "xform", 1) and row["tokens_per_s"] > 0
-    assert not row["xform"]["failures"]
+    rows = json.loads((tmp_path / "hf_generate_sliding.json").read_text())["rows"]
+    assert [(r["model"], r["config"], r["batch"]) for r in rows] == [("sliding", "xform", 1),
+                                                                      ("sliding", "torchao-float8-ro", 1)]
+    assert all(r["tokens_per_s"] > 0 for r in rows) and not rows[0]["xform"]["failures"]
