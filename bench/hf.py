@@ -30,6 +30,7 @@ Configurations (`--only` takes a comma-separated list of them, or of batch sizes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -107,12 +108,12 @@ def generate_run(config: str, batch: int, repeats: int, size: str = "bench", mod
     model = decoder(model_name, size, device)
     if config == "eager":
         model.generation_config.disable_compile = True
-    if config in BY_HAND:  # torchao's config for the recipe, as xform's quantize builds it
+    if config in BY_HAND:  # the recipe's torchao config, as xform builds it, setting Inductor's flags as by default
         from torchao.quantization import quantize_
 
         from xform.transforms import Quantize
 
-        quantize_(model, Quantize(BY_HAND[config]).check(device).config)
+        quantize_(model, dataclasses.replace(Quantize(BY_HAND[config]).check(device).config, set_inductor_config=True))
     kwargs: dict[str, Any] = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False,
                               "cache_implementation": "static"}
     if config != "eager":
