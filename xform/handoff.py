@@ -109,7 +109,7 @@ class InductorHandoff:
 
 class EagerHandoff:
     """Run the transformed graph as PyTorch code; through AOTAutograd when an AOT hook needs it, or
-    when the graph's weights mix the two kinds of tensor subclass (`_mixes_subclass_kinds`)."""
+    when the graph's inputs mix the two kinds of tensor subclass (`_mixes_subclass_kinds`)."""
 
     kind: HandoffKind = "eager"
     label = "eager"
