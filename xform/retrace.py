@@ -73,7 +73,8 @@ def taken_over(key: Key) -> EarlierTrace:
 
 
 class ParametersRetyped(Exception):
-    """Raised by the pipeline when `transform` replaced parameters with tensors of another dtype."""
+    """Raised by the pipeline when `transform` replaced parameters with tensors of another dtype;
+    carries the records of the transforms that ran, `transform`'s noting the retrace."""
 
     def __init__(self, transform: str, changed: list[Replacement], records: dict[str, TransformRecord]) -> None:
         super().__init__(f"xform: transform {transform!r} changed the dtype of {len(changed)} parameters "

@@ -23,6 +23,7 @@ from xform._torch.pytree import tree_leaves
 from xform.fx_rewrite import example_value, op_name, user_source
 
 OPS = ("call_function", "call_method", "call_module")
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)  # numbers a graph computes with on the host
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _off_device(node: fx.Node, device_type: str) -> tuple[str, str] | None:
 def _host_scalar_input(node: fx.Node, _: Any) -> tuple[str, str] | None:
     for source in node.all_input_nodes:
         value = example_value(source)
-        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and free_unbacked_symbols(value):
+        if isinstance(value, _SYM) and free_unbacked_symbols(value):
             return (f"it uses '{source.name}', a number read from the GPU on the host (.item()); a recorded graph "
                     f"would keep the value it had when recorded",
                     "keep the value a tensor on the GPU (drop the .item() and use the 0-d tensor), or move the "
@@ -126,7 +127,7 @@ def _host_scalar_input(node: fx.Node, _: Any) -> tuple[str, str] | None:
 def _symbolic(node: fx.Node, _: Any) -> tuple[str, str] | None:
     value = example_value(node)
     sizes = [s for t in _tensors([value]) for s in (*t.shape, *t.stride())]
-    scalars = [v for v in tree_leaves([value]) if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    scalars = [v for v in tree_leaves([value]) if isinstance(v, _SYM)]
     unbacked = set().union(*(free_unbacked_symbols(s) for s in sizes + scalars)) if sizes or scalars else set()
     if unbacked:
         return ("its result's size depends on tensor data, known only after the GPU has run",
@@ -166,9 +167,6 @@ def find_breaks(gm: fx.GraphModule, device_type: str = "cuda") -> dict[fx.Node, 
                 breaks[node] = CaptureBreak(node.name, op_name(node, as_written=True), found[0], found[1], user_source(node))
                 break
     return breaks
-
-
-_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def host_numbers(gm: fx.GraphModule) -> set[fx.Node]:
